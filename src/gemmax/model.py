@@ -1,0 +1,302 @@
+"""Gemma 4 / Gemma 3 text decoder as pure functions over a params pytree and a frozen config.
+
+One entry point, `forward`, serves both prefill and decode: it appends `T` new tokens per row to a
+KV cache that already holds `start[b]` tokens of row b, attending over (cache ∪ new tokens).
+
+KV cache layout (one entry per layer; `None` for KV-sharing "reuse" layers, which read their donor):
+    {"k": [B, S, nkv, hd], "v": [B, S, nkv, hd]}
+with S = `max_len` for full-attention layers and a ring of S = min(window, max_len) slots for sliding
+layers. The slot of absolute position p is `p` (full) or `p % S` (ring), so a slot's content is a
+function of real positions only. Padding tokens (t >= num_new[b]) are never written (their scatter
+index is out of range and dropped), and in a ring only the last S real positions of a chunk are
+written, so no two writes race for one slot. Attention masks are computed from absolute positions
+(key position <= query position, and > query position - window on sliding layers), never from slot
+order. All shapes are static under `jit`; `config`, `precision` and `logits` are static arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmax.config import LayerSpec, ModelConfig
+from gemmax.linear import linear, lookup
+from gemmax.params import Params
+
+KVCache = tuple[dict[str, jax.Array] | None, ...]
+_MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Dtypes actually used in the forward pass (weights carry their own dtype)."""
+
+    activation: Any = jnp.float32
+    kv_cache: Any = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """x * (mean(x^2) + eps)^-1/2 * w, in float32, cast back to x's dtype ([..., D], w [D])."""
+    xf = x.astype(jnp.float32)
+    y = xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, spec: LayerSpec) -> np.ndarray:
+    """Inverse frequencies [hd/2] (float32) for a layer's RoPE type and head dim."""
+    rope = config.rope_for(spec.attention_type)
+    d = spec.head_dim
+    if rope.rope_type == "proportional":
+        n_rot = int(rope.partial_rotary_factor * d // 2)
+        rotated = 1.0 / (rope.theta ** (np.arange(0, 2 * n_rot, 2, dtype=np.float32) / d))
+        inv = np.concatenate([rotated, np.zeros(d // 2 - n_rot, np.float32)])
+    else:  # default, linear
+        inv = 1.0 / (rope.theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    return (inv / rope.factor).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Half-split (NeoX) rotation. x [B, T, n, d], positions [B, T]; cos/sin in fp32, applied in x.dtype."""
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, d/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, d]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+    """Zeroed cache for `batch` rows of up to `max_len` positions."""
+    entries = []
+    for spec in config.layers:
+        if not spec.owns_kv:
+            entries.append(None)
+            continue
+        shape = (batch, cache_slots(spec, max_len), spec.num_kv_heads, spec.head_dim)
+        entries.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+    return tuple(entries)
+
+
+def cache_slots(spec: LayerSpec, max_len: int) -> int:
+    return min(spec.sliding_window, max_len) if spec.sliding_window else max_len
+
+
+def _cached_key_positions(start: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """Absolute position held by each cache slot ([B, S]) and whether it holds one, for rows that
+    have `start[b]` tokens cached. Slot s holds the latest position p < start with p % S == s."""
+    s = jnp.arange(slots)[None, :]
+    last = start[:, None] - 1
+    pos = s + slots * jnp.floor_divide(last - s, slots)
+    return pos, s <= last
+
+
+def _visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, window: int | None) -> jax.Array:
+    """[B, Tq, Tk] mask: causal by absolute position, inside the window on sliding layers."""
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    mask = k_valid[:, None, :] & (k <= q)
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """q [B, T, nh, hd], k/v [B, S, nkv, hd], mask [B, T, S] -> [B, T, nh, hd]; softmax in fp32."""
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    q = q.reshape(B, T, nkv, nh // nkv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, nh, hd)
+
+
+# --------------------------------------------------------------------------------------------- forward
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Per-forward position bookkeeping (not a pytree: lives only while tracing)."""
+
+    start: jax.Array  # [B] tokens already cached per row
+    new_pos: jax.Array  # [B, T] absolute positions of the new tokens
+    new_valid: jax.Array  # [B, T] real (not padding) new tokens
+    q_pos: jax.Array  # [B, Tq] positions of the queries still being computed
+
+
+def _write_cache(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, batch: _Batch, spec: LayerSpec):
+    """Scatter the new K/V [B, T, nkv, hd] into their slots; padding and overwritten ring positions drop."""
+    slots = entry["k"].shape[1]
+    last_real = batch.start + jnp.sum(batch.new_valid, axis=1) - 1  # [B]
+    keep = batch.new_valid
+    if spec.sliding_window:
+        keep &= batch.new_pos > (last_real[:, None] - slots)  # only the last S real positions of a chunk
+        slot = batch.new_pos % slots
+    else:
+        slot = batch.new_pos
+    slot = jnp.where(keep, slot, slots)  # out of range -> dropped
+    rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slot.shape)
+    dtype = entry["k"].dtype
+    return {
+        "k": entry["k"].at[rows, slot].set(k.astype(dtype), mode="drop"),
+        "v": entry["v"].at[rows, slot].set(v.astype(dtype), mode="drop"),
+    }
+
+
+def _attention(
+    layer: dict[str, Any],
+    x: jax.Array,
+    spec: LayerSpec,
+    config: ModelConfig,
+    batch: _Batch,
+    cache_entry: dict[str, jax.Array] | None,
+    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array, jax.Array]],
+    layer_index: int,
+):
+    """Returns (attention output [B, Tq, H], updated cache entry or None)."""
+    B, Tq, _ = x.shape
+    nh, hd, nkv = config.num_attention_heads, spec.head_dim, spec.num_kv_heads
+    inv_freq = rope_inv_freq(config, spec)
+    q = linear(x, layer["q"]).reshape(B, Tq, nh, hd)
+    q = apply_rope(rms_norm(q, layer["q_norm"], config.rms_norm_eps), batch.q_pos, inv_freq)
+
+    new_entry = None
+    if spec.owns_kv:
+        k_raw = linear(x, layer["k"]).reshape(B, Tq, nkv, hd)
+        v = k_raw if spec.k_eq_v else linear(x, layer["v"]).reshape(B, Tq, nkv, hd)
+        k = apply_rope(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), batch.new_pos, inv_freq)
+        if config.use_v_norm:
+            v = rms_norm(v, None, config.rms_norm_eps)
+        cached_pos, cached_valid = _cached_key_positions(batch.start, cache_entry["k"].shape[1])
+        keys = jnp.concatenate([cache_entry["k"].astype(k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
+        values = jnp.concatenate([cache_entry["v"].astype(v.dtype), v], axis=1)
+        key_pos = jnp.concatenate([cached_pos, batch.new_pos], axis=1)
+        key_valid = jnp.concatenate([cached_valid, batch.new_valid], axis=1)
+        shared[layer_index] = (keys, values, key_pos, key_valid)
+        new_entry = _write_cache(cache_entry, k, v, batch, spec)
+    else:
+        keys, values, key_pos, key_valid = shared[spec.kv_donor]
+
+    mask = _visible(batch.q_pos, key_pos, key_valid, spec.sliding_window)
+    out = attend(q, keys, values, mask, config.attention_scale)
+    return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
+
+
+def _decoder_layer(layer, h, ple_l, spec, config, batch, cache_entry, shared, layer_index):
+    eps = config.rms_norm_eps
+    with jax.named_scope("attention"):
+        a, new_entry = _attention(
+            layer, rms_norm(h, layer["input_norm"], eps), spec, config, batch, cache_entry, shared, layer_index
+        )
+    h = h + rms_norm(a, layer["post_attn_norm"], eps)
+    with jax.named_scope("mlp"):
+        x = rms_norm(h, layer["pre_ffn_norm"], eps)
+        m = linear(gelu_tanh(linear(x, layer["gate"])) * linear(x, layer["up"]), layer["down"])
+    h = h + rms_norm(m, layer["post_ffn_norm"], eps)
+    if ple_l is not None:
+        with jax.named_scope("per_layer_input"):
+            g = gelu_tanh(linear(h, layer["ple_gate"])) * ple_l
+            h = h + rms_norm(linear(g, layer["ple_proj"]), layer["ple_post_norm"], eps)
+    if config.use_layer_scalar:
+        h = h * layer["layer_scalar"].astype(h.dtype)
+    return h, new_entry
+
+
+def embed(params: Params, tokens: jax.Array, config: ModelConfig, dtype: Any) -> jax.Array:
+    """Emb[ids] * sqrt(H), the scale rounded to the table's dtype first (as HF does) -> [B, T, H]."""
+    table = params["embed"]
+    table_dtype = _storage_dtype(table)
+    scale = jnp.asarray(math.sqrt(config.hidden_size), table_dtype)
+    return (lookup(table, tokens, table_dtype) * scale).astype(dtype)
+
+
+def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """PLE: ((norm(x W_plmp^T / sqrt(H)) + PLE[ids] * sqrt(P)) / sqrt(2)) -> [B, T, L, P]."""
+    B, T, H = x.shape
+    L, P = config.num_layers, config.hidden_size_per_layer_input
+    table = params["ple_embed"]
+    table_dtype = _storage_dtype(table)
+    token_part = lookup(table, tokens, table_dtype) * jnp.asarray(math.sqrt(P), table_dtype)
+    token_part = token_part.astype(x.dtype).reshape(B, T, L, P)
+    context = (linear(x, params["ple_proj"]) * H**-0.5).reshape(B, T, L, P)
+    context = rms_norm(context, params["ple_norm"], config.rms_norm_eps)
+    return (context + token_part) * 2**-0.5
+
+
+def _storage_dtype(table) -> Any:
+    return getattr(table, "compute_dtype", None) or table.dtype
+
+
+def lm_head(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
+    """Final norm, tied head (or a separate `lm_head` form of it), softcap -> float32 logits."""
+    h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    logits = linear(h, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    if config.final_logit_softcapping:
+        cap = config.final_logit_softcapping
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def forward(
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    start: jax.Array,
+    num_new: jax.Array,
+    *,
+    config: ModelConfig,
+    precision: Precision = Precision(),
+    logits: Literal["last", "all"] = "last",
+) -> tuple[jax.Array, KVCache]:
+    """Append tokens [B, T] (row b: its first num_new[b] are real, the rest padding) after start[b]
+    cached tokens. Returns (logits, new cache): logits [B, V] at each row's last real token
+    (`logits="last"`; rows with num_new 0 get garbage) or [B, T, V] (`"all"`)."""
+    B, T = tokens.shape
+    t = jnp.arange(T)[None, :]
+    new_pos = start[:, None] + t
+    batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos)
+
+    h = embed(params, tokens, config, precision.activation)
+    ple = per_layer_inputs(params, tokens, h, config) if config.hidden_size_per_layer_input else None
+    last = jnp.maximum(num_new - 1, 0)[:, None]  # [B, 1] index of each row's last real token
+
+    shared: dict[int, Any] = {}
+    new_cache = list(cache)
+    for i, spec in enumerate(config.layers):
+        if logits == "last" and spec.kv_mode == "reuse" and batch.q_pos.shape[1] > 1:
+            # Reuse layers write no cache and their outputs only feed the same position onward, so
+            # from here only each row's last real token needs computing (HF does the same in prefill).
+            h = jnp.take_along_axis(h, last[:, :, None], axis=1)
+            ple = None if ple is None else jnp.take_along_axis(ple, last[:, :, None, None], axis=1)
+            batch = dataclasses.replace(batch, q_pos=jnp.take_along_axis(new_pos, last, axis=1))
+        with jax.named_scope(f"layer_{i}"):
+            h, new_cache[i] = _decoder_layer(
+                params["layers"][i],
+                h,
+                None if ple is None else ple[:, :, i, :],
+                spec,
+                config,
+                batch,
+                cache[i],
+                shared,
+                i,
+            )
+    if logits == "last":
+        if h.shape[1] > 1:
+            h = jnp.take_along_axis(h, last[:, :, None], axis=1)
+        return lm_head(params, h[:, 0], config), tuple(new_cache)
+    return lm_head(params, h, config), tuple(new_cache)

@@ -1,0 +1,133 @@
+"""Every parameter declared once: its Hugging Face name, its place in the params pytree, shape and kind.
+
+The params pytree is
+
+    {"embed": [V, H], "final_norm": [H],
+     "ple_embed": [Vp, L*P], "ple_proj": [L*P, H], "ple_norm": [P],      # only when P > 0
+     "layers": ({"q": [nh*hd, H], "q_norm": [hd], "k"/"v": [nkv*hd, H], "k_norm": [hd], "o": [H, nh*hd],
+                 "gate"/"up": [I, H], "down": [H, I], "input_norm" ... : [H],
+                 "ple_gate": [P, H], "ple_proj": [H, P], "ple_post_norm": [H], "layer_scalar": [1]}, ...)}
+
+Matrices keep the HF `[out, in]` layout (`x @ W.T`). Norm weights are stored in float32 and already
+include Gemma 3's `+1`, so the model always multiplies by `w`. Loading (safetensors, GGUF), random
+init, `eval_shape` checks and byte counting all derive from `param_specs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmax.config import ModelConfig
+
+Kind = Literal["matrix", "embedding", "norm", "scalar"]
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    hf_name: str  # without the checkpoint prefix, e.g. "layers.3.self_attn.q_proj.weight"
+    path: tuple[str | int, ...]  # e.g. ("layers", 3, "q")
+    shape: tuple[int, ...]
+    kind: Kind
+
+    def dtype(self, weight_dtype: Any) -> Any:
+        """Norms and scalars stay float32 (tiny, and HF computes them in fp32); the rest uses weight_dtype."""
+        return jnp.float32 if self.kind in ("norm", "scalar") else weight_dtype
+
+
+def param_specs(config: ModelConfig) -> list[ParamSpec]:
+    H, nh = config.hidden_size, config.num_attention_heads
+    P, L = config.hidden_size_per_layer_input, config.num_layers
+    specs = [
+        ParamSpec("embed_tokens.weight", ("embed",), (config.vocab_size, H), "embedding"),
+        ParamSpec("norm.weight", ("final_norm",), (H,), "norm"),
+    ]
+    if P:
+        specs += [
+            ParamSpec("embed_tokens_per_layer.weight", ("ple_embed",), (config.vocab_size_per_layer_input, L * P), "embedding"),
+            ParamSpec("per_layer_model_projection.weight", ("ple_proj",), (L * P, H), "matrix"),
+            ParamSpec("per_layer_projection_norm.weight", ("ple_norm",), (P,), "norm"),
+        ]
+    for i, spec in enumerate(config.layers):
+        hd, nkv, inter = spec.head_dim, spec.num_kv_heads, spec.intermediate_size
+
+        def layer(name: str, key: str, shape: tuple[int, ...], kind: Kind, i: int = i) -> ParamSpec:
+            return ParamSpec(f"layers.{i}.{name}", ("layers", i, key), shape, kind)
+
+        specs += [
+            layer("self_attn.q_proj.weight", "q", (nh * hd, H), "matrix"),
+            layer("self_attn.q_norm.weight", "q_norm", (hd,), "norm"),
+            layer("self_attn.o_proj.weight", "o", (H, nh * hd), "matrix"),
+            layer("mlp.gate_proj.weight", "gate", (inter, H), "matrix"),
+            layer("mlp.up_proj.weight", "up", (inter, H), "matrix"),
+            layer("mlp.down_proj.weight", "down", (H, inter), "matrix"),
+            layer("input_layernorm.weight", "input_norm", (H,), "norm"),
+            layer("post_attention_layernorm.weight", "post_attn_norm", (H,), "norm"),
+            layer("pre_feedforward_layernorm.weight", "pre_ffn_norm", (H,), "norm"),
+            layer("post_feedforward_layernorm.weight", "post_ffn_norm", (H,), "norm"),
+        ]
+        if spec.owns_kv:
+            specs += [
+                layer("self_attn.k_proj.weight", "k", (nkv * hd, H), "matrix"),
+                layer("self_attn.k_norm.weight", "k_norm", (hd,), "norm"),
+            ]
+            if not spec.k_eq_v:
+                specs.append(layer("self_attn.v_proj.weight", "v", (nkv * hd, H), "matrix"))
+        if P:
+            specs += [
+                layer("per_layer_input_gate.weight", "ple_gate", (P, H), "matrix"),
+                layer("per_layer_projection.weight", "ple_proj", (H, P), "matrix"),
+                layer("post_per_layer_input_norm.weight", "ple_post_norm", (H,), "norm"),
+            ]
+        if config.use_layer_scalar:
+            specs.append(layer("layer_scalar", "layer_scalar", (1,), "scalar"))
+    return specs
+
+
+def tree_from_leaves(config: ModelConfig, leaves: Mapping[tuple[str | int, ...], Any]) -> Params:
+    """Assemble the params pytree from {path: array}; layers become a tuple of dicts."""
+    params: dict[str, Any] = {}
+    layers: list[dict[str, Any]] = [{} for _ in range(config.num_layers)]
+    for path, value in leaves.items():
+        if path[0] == "layers":
+            layers[path[1]][path[2]] = value
+        else:
+            params[path[0]] = value
+    params["layers"] = tuple(layers)
+    return params
+
+
+def abstract_params(config: ModelConfig, weight_dtype: Any = jnp.bfloat16) -> Params:
+    """ShapeDtypeStructs for every parameter: shapes of a full-size model without allocating."""
+    return tree_from_leaves(
+        config, {s.path: jax.ShapeDtypeStruct(s.shape, s.dtype(weight_dtype)) for s in param_specs(config)}
+    )
+
+
+def count_params(tree: Params) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+
+
+def count_bytes(tree: Params) -> int:
+    """Bytes of every leaf as stored (quantised leaves count their packed data and scales)."""
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def random_params(config: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float32) -> Params:
+    """Random weights for benchmarks and shape tests (norms near 1 so activations stay sane)."""
+    rng = np.random.default_rng(seed)
+    leaves = {}
+    for spec in param_specs(config):
+        if spec.kind in ("norm", "scalar"):
+            value = rng.normal(1.0, 0.1, spec.shape).astype(np.float32)
+        else:
+            fan_in = spec.shape[-1] if spec.kind == "matrix" else 1
+            value = (rng.standard_normal(spec.shape, dtype=np.float32) * fan_in**-0.5).astype(np.float32)
+        leaves[spec.path] = jnp.asarray(value, spec.dtype(weight_dtype))
+    return tree_from_leaves(config, leaves)
