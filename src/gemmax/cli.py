@@ -75,5 +75,83 @@ def policy(dtype: str = typer.Option("auto"), json_output: bool = typer.Option(F
         typer.echo(f"WARNING: {p.warning}", err=True)
 
 
+@app.command()
+def fit(
+    model: str = typer.Option(..., help="HF directory (config.json alone is enough), config.json, .gguf or hub id"),
+    max_model_len: int = typer.Option(2048, min=1, help="longest prompt + completion, tokens"),
+    max_batch: int = typer.Option(4, min=1, help="decode slots"),
+    device_memory_gib: float = typer.Option(None, min=0.0, help="plan for this much device memory (default: the live device's)"),
+    dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
+    kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
+    prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: max_model_len)"),
+    json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
+) -> None:
+    """Will this model fit? Weights + KV cache (sliding rings and KV sharing honoured) + prefill workspace
+    against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
+    from gemmax.engine.memory import GiB, load_config, plan_memory
+    from gemmax.engine.policy import DTYPES, device_policy
+
+    if kv_dtype != "auto" and kv_dtype not in DTYPES:
+        raise typer.BadParameter(f"--kv-dtype must be auto or one of {sorted(DTYPES)}")
+    p = device_policy(dtype)
+    memory = int(device_memory_gib * GiB) if device_memory_gib is not None else p.device_memory_bytes
+    if memory is None:
+        raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
+    plan = plan_memory(load_config(model), max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
+                       kv_dtype=DTYPES[p.kv_cache if kv_dtype == "auto" else kv_dtype],
+                       activation_dtype=DTYPES[p.activations], prefill_tokens=prefill_tokens, model=model)
+    typer.echo(json.dumps(plan.as_dict()) if json_output else plan.explain())
+    if not plan.fits:
+        raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
+    host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    max_model_len: int = typer.Option(2048, min=2, help="longest prompt + completion, tokens"),
+    max_batch: int = typer.Option(4, min=1, help="decode slots (requests generated together)"),
+    dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
+    api_key: str = typer.Option(None, envvar="GEMMAX_API_KEY", help="require 'Authorization: Bearer KEY'"),
+    served_model_name: str = typer.Option(None, help="model name in the API (default: --model, or the built-in name)"),
+    on_degenerate: str = typer.Option("flag", help="flag: report degenerate output; error: answer it with an error"),
+    drain_timeout: float = typer.Option(30.0, min=0.0, help="seconds in-flight requests get at SIGTERM"),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming."""
+    _setup_logging()
+    if on_degenerate not in ("flag", "error"):
+        raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
+    from gemmax.server.app import ServerSettings
+    from gemmax.server.serve import serve as run_server
+
+    if served_model_name is None:
+        from gemmax.builtin import NAME as BUILTIN_NAME
+
+        served_model_name = model or BUILTIN_NAME
+    settings = ServerSettings(served_model_name=served_model_name, model_root=model, api_key=api_key,
+                              on_degenerate=on_degenerate, drain_timeout=drain_timeout)
+
+    def load():
+        from gemmax.engine.engine import BatchEngine
+        from gemmax.runtime import load_model
+
+        loaded = load_model(model, dtype)
+        engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch)
+        engine.start()  # warm-up runs in the engine's thread; /health turns 200 when it is done
+        return engine, loaded.tokenizer
+
+    raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
+
+
+# Benchmark harness and reference rigs (typer sub-apps; their heavy imports happen inside commands).
+from gemmax.bench.cli import bench_app  # noqa: E402
+from gemmax.rigs.cli import rig_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
+app.add_typer(rig_app, name="rig")
+
+
 if __name__ == "__main__":
     app()

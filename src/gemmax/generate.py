@@ -39,7 +39,8 @@ def generate(
     if not prompt_ids:
         raise ValueError("prompt is empty")
     stop = set(config.eos_token_ids if stop_ids is None else stop_ids)
-    cache = init_cache(config, 1, len(prompt_ids) + max_tokens, precision.kv_cache)
+    max_len = -(-(len(prompt_ids) + max_tokens) // 256) * 256  # rounded so calls share compiled shapes
+    cache = init_cache(config, 1, max_len, precision.kv_cache)
     state = set_row(SamplingState.empty(1, config.vocab_size), 0, row_values(sampling, prompt_ids, config.vocab_size))
     tokens = jnp.asarray([prompt_ids], jnp.int32)
     start, out = 0, []

@@ -2,34 +2,71 @@
 
 Every matrix product and every embedding gather in the model goes through these, so a weight's
 stored form (plain array, K-split column blocks for the CPU fast path, quantised) is decided in one
-place and the model code never changes with it.
+place and the model code never changes with it. `gemmax.engine.fastpath.prepare_params` picks the
+stored form for the device; docs/cpu_decode.md has the measurements behind the spellings here.
+
+Stored forms of a weight W [out, in]:
+- an array [out, in];
+- a tuple of column blocks ([out, k_0], [out, k_1], ...) with sum(k_i) = in: the CPU fast path
+  for in > `GEMV_MAX_IN`.
+
+Two spellings, chosen from the static number of rows of x:
+- one row (decode at batch 1): `x[1, in].astype(W.dtype) @ W.T`, x flattened to 2-D first. XLA:CPU
+  fuses the weight's convert and transpose into one `copy_dot_fusion` that streams bf16 weights at
+  near memory bandwidth; a 3-D x, an `einsum`/`dot_general` spelling, a vector over 16 KiB or an add
+  fused onto the dot's output each break that fusion and make XLA materialise an f32 copy of W on
+  every step (20x slower). Partial products of a K-split weight are therefore kept apart from their
+  sum by an optimisation barrier.
+- several rows (batched decode, prefill): `dot_general` with float32 accumulation, which XLA:CPU
+  hands to its YNNPACK GEMM (bf16 products, f32 sums) and GPUs run natively.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+# Largest `in` whose float32 vector (in * 4 bytes) stays under the 16 KiB XLA:CPU's matrix-vector
+# fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
+GEMV_MAX_IN = 4095
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype.
+    """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype (float32 accumulation)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(math.prod(lead), k)  # [rows, in]: a 3-D operand loses the CPU matrix-vector fusion
+    y = _blocks(x2, w) if isinstance(w, tuple) else _product(x2, w)
+    return y.reshape(*lead, y.shape[-1])
 
-    The explicit `x.astype(W.dtype) @ W.T` spelling matters on CPU: it is the form XLA fuses into one
-    `copy_dot_fusion` that streams bf16 weights at near the memory bandwidth (docs/cpu_decode.md).
-    """
-    if isinstance(w, tuple):  # K pre-split column blocks [out, k_i]: sum of per-block products
-        out, start = None, 0
-        for block in w:
-            width = block.shape[-1]
-            part = linear(x[..., start : start + width], block)
-            # Round each partial to the weight dtype: an add fused onto a dot breaks the fast fusion.
-            part = part.astype(block.dtype).astype(x.dtype)
-            out = part if out is None else out + part
-            start += width
-        return out
-    return (x.astype(w.dtype) @ w.T).astype(x.dtype)
+
+def _product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, in] @ W[out, in].T -> [rows, out] in x.dtype."""
+    if x.shape[0] == 1:
+        return (x.astype(w.dtype) @ w.T).astype(x.dtype)
+    y = lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _blocks(x: jax.Array, blocks: tuple[jax.Array, ...]) -> jax.Array:
+    """x [rows, in] times column blocks [out, k_i] of W -> [rows, out]: the sum of per-block products."""
+    parts, start = [], 0
+    for block in blocks:
+        width = block.shape[-1]
+        parts.append(_product(x[:, start : start + width], block).astype(jnp.float32))
+        start += width
+    if start != x.shape[-1]:
+        raise ValueError(f"column blocks cover {start} inputs but x has {x.shape[-1]}")
+    if x.shape[0] == 1:
+        # An add fused onto a matrix-vector dot makes XLA:CPU copy W out transposed in f32.
+        parts = lax.optimization_barrier(parts)
+    return sum(parts[1:], parts[0]).astype(x.dtype)
 
 
 def lookup(table, ids: jax.Array, dtype) -> jax.Array:
-    """Rows of an embedding table [V, D] for ids [...] -> [..., D] in `dtype` (not yet scaled)."""
+    """Rows of an embedding table [V, D] (or its column blocks) for ids [...] -> [..., D] in `dtype`."""
+    if isinstance(table, tuple):
+        return jnp.concatenate([jnp.take(block, ids, axis=0).astype(dtype) for block in table], axis=-1)
     return jnp.take(table, ids, axis=0).astype(dtype)

@@ -300,3 +300,7 @@ def forward(
             h = jnp.take_along_axis(h, last[:, :, None], axis=1)
         return lm_head(params, h[:, 0], config), tuple(new_cache)
     return lm_head(params, h, config), tuple(new_cache)
+
+
+# The jitted forward for callers that do not wrap it in a larger jitted function.
+forward_jit = jax.jit(forward, static_argnames=("config", "precision", "logits"))

@@ -1,16 +1,28 @@
 """Device policy: read the live device once and choose the dtypes the engine computes in.
 
-float16 below SM 8.0 (no bf16 datapath: bf16 would be emulated through fp32), bfloat16 at SM 8.0 and
-above and on TPU. On CPU, weights are stored in bfloat16 and activations kept in float32: the
-`(x.astype(bf16) @ W.T)` form streams bf16 weights at near memory bandwidth (docs/cpu_decode.md),
-which is the fastest decode measured here. The policy is the engine's first log line and is served
-as data by `/health`.
+- GPU below SM 8.0 (Turing, Volta ...): float16. These GPUs have no bf16 datapath; bf16 would be
+  emulated through fp32 and run several times slower.
+- GPU at SM 8.0 and above, TPU: bfloat16 everywhere.
+- CPU: weights stored in bfloat16, activations and KV cache in float32, matrix products with bf16
+  inputs and f32 accumulation. XLA:CPU streams bf16 weights at near memory bandwidth, but only in
+  one fused matrix-vector form (docs/cpu_decode.md: ~30-37 GB/s against 1-2 GB/s for the obvious
+  spellings, and 2x fewer bytes than float32 weights at the same GB/s). Because that fusion is a
+  heuristic of the installed XLA, the policy compiles a small probe and checks its HLO; if the
+  fusion is missing it falls back to float32 weights (twice the bytes, but no 20x cliff) and warns.
+
+`--dtype` overrides the automatic choice and warns loudly when it picks an emulated path (bf16 on a
+pre-Ampere GPU, float16 on CPU or TPU). The policy is the engine's first log line, and `as_dict` is
+what `/health` serves; `observed` replaces the planned dtypes with the ones the loaded arrays
+actually have.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
+import platform as host_platform
 from typing import Any
 
 import jax
@@ -26,16 +38,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 @dataclasses.dataclass(frozen=True)
 class DevicePolicy:
     platform: str  # cpu | gpu | tpu
-    device_kind: str
+    device_kind: str  # "NVIDIA L4"; on CPU the processor model and core count
     compute_capability: str | None  # "8.9" on CUDA GPUs
     device_memory_bytes: int | None
-    compute_dtype: str  # the dtype matmuls run in
+    compute_dtype: str  # the dtype matmul inputs are rounded to
     weights: str
     activations: str
     kv_cache: str
     pallas_interpret: bool
+    cpu_gemv_fusion: bool | None = None  # CPU: XLA fuses the bf16 matrix-vector product (None elsewhere)
     override: str | None = None  # --dtype given by the user
-    warning: str | None = None  # set when the override picks an emulated path
+    warning: str | None = None  # set when the override (or the installed XLA) picks a slow path
 
     @property
     def pre_ampere(self) -> bool:
@@ -50,14 +63,41 @@ class DevicePolicy:
 
     def log_line(self) -> str:
         cc = self.compute_capability or "n/a"
-        return (
+        line = (
             f"gemmax device policy: platform={self.platform} kind={self.device_kind} compute_capability={cc} "
             f"compute_dtype={self.compute_dtype} weights={self.weights} activations={self.activations} "
             f"kv_cache={self.kv_cache} pallas_interpret={self.pallas_interpret}"
         )
+        if self.cpu_gemv_fusion is not None:
+            line += f" cpu_gemv_fusion={self.cpu_gemv_fusion}"
+        return line
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "pre_ampere": self.pre_ampere}
+
+    def observed(self, params: Any, kv_cache: Any = None) -> DevicePolicy:
+        """This policy with `weights` / `kv_cache` read from the arrays actually loaded (matrix leaves;
+        several dtypes, e.g. after quantisation, are joined with '+')."""
+        weights = _dtype_names(leaf for leaf in jax.tree.leaves(params) if len(leaf.shape) >= 2)
+        kv = _dtype_names(jax.tree.leaves(kv_cache)) if kv_cache is not None else self.kv_cache
+        return dataclasses.replace(self, weights=weights or self.weights, kv_cache=kv or self.kv_cache)
+
+
+def _dtype_names(leaves) -> str:
+    return "+".join(sorted({jnp.dtype(leaf.dtype).name for leaf in leaves}))
+
+
+def _cpu_kind() -> str:
+    name = host_platform.processor() or host_platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
 
 
 def _device_facts() -> tuple[str, str, str | None, int | None]:
@@ -67,42 +107,99 @@ def _device_facts() -> tuple[str, str, str | None, int | None]:
     cc = getattr(device, "compute_capability", None)
     memory = None
     try:
-        stats = device.memory_stats() or {}
-        memory = stats.get("bytes_limit")
+        memory = (device.memory_stats() or {}).get("bytes_limit")
     except Exception:  # CPU devices report no memory stats
         memory = None
-    if memory is None and platform == "cpu":
-        import os
-
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if platform == "cpu":
+        kind = _cpu_kind()
+        if memory is None:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return platform, kind, (str(cc) if cc is not None else None), memory
+
+
+@functools.cache
+def cpu_gemv_fuses(weight_dtype: str = "bfloat16") -> bool:
+    """Whether this XLA:CPU compiles `linear` at one row into the fused matrix-vector dot that streams
+    `weight_dtype` weights directly (checked on the compiled HLO of a small probe, ~0.1 s)."""
+    from gemmax.engine.fastpath import GEMV, decode_weight_reads
+    from gemmax.linear import linear
+
+    w = jax.ShapeDtypeStruct((512, 384), DTYPES[weight_dtype])
+    x = jax.ShapeDtypeStruct((1, 1, 384), jnp.float32)
+    text = jax.jit(linear).lower(x, w).compile().as_text()
+    return set(decode_weight_reads(text).values()) == {(GEMV,)}
 
 
 def device_policy(dtype: str | None = None) -> DevicePolicy:
     """The policy for the live device; `dtype` ('auto' or None, float32, bfloat16, float16) overrides it."""
     platform, kind, cc, memory = _device_facts()
-    if platform == "gpu" and cc is not None and float(cc) < 8.0:
-        auto = ("float16", "float16", "float16")  # compute, weights, activations
-    elif platform in ("gpu", "tpu"):
-        auto = ("bfloat16", "bfloat16", "bfloat16")
-    else:
-        auto = ("bfloat16", "bfloat16", "float32")
+    fused = cpu_gemv_fuses("bfloat16") if platform == "cpu" else None
+    return choose_policy(platform, kind, cc, memory, dtype, cpu_gemv_fusion=fused)
+
+
+def choose_policy(
+    platform: str,
+    kind: str,
+    compute_capability: str | None,
+    memory: int | None,
+    dtype: str | None = None,
+    cpu_gemv_fusion: bool | None = None,
+) -> DevicePolicy:
+    """The decision itself, from the device facts (`device_policy` reads them from the live device)."""
     override = None if dtype in (None, "auto") else dtype
     if override is not None and override not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    cc = compute_capability
+    pre_ampere = platform == "gpu" and cc is not None and float(cc) < 8.0
     warning = None
-    if override is None:
-        compute, weights, activations = auto
+    if platform == "cpu":
+        fused = bool(cpu_gemv_fusion)
+        if override is None:
+            compute = weights = "bfloat16" if fused else "float32"
+            if not fused:
+                warning = (
+                    "this XLA:CPU does not fuse the bf16 matrix-vector product (docs/cpu_decode.md): bf16 weights "
+                    "would be converted to f32 on every decode step (~20x slower), so weights are float32 (2x the bytes)"
+                )
+        else:
+            compute = weights = override
+            if override == "float16":
+                warning = (
+                    "--dtype float16 on CPU is an EMULATED path: XLA:CPU has no fast float16 matrix product, every "
+                    "step converts the weights; decode will be many times slower than --dtype auto (bfloat16)"
+                )
+            elif override == "bfloat16" and not fused:
+                warning = ("--dtype bfloat16: this XLA:CPU does not fuse the bf16 matrix-vector product, decode "
+                           "converts every weight on every step (~20x slower than float32)")
+        activations = kv_cache = "float32"
     else:
-        compute = weights = override
-        activations = "float32" if (platform == "cpu" and override != "float32") else override
-        if platform == "gpu" and cc is not None and float(cc) < 8.0 and override == "bfloat16":
-            warning = (f"--dtype bfloat16 on SM {cc}: this GPU has no bf16 datapath, every bf16 op is emulated "
-                       "through fp32 and decode will be several times slower; the policy would pick float16")
-        elif platform == "cpu" and override == "float16":
-            warning = "--dtype float16 on CPU: XLA:CPU has no fast float16 matmul; decode is emulated and slow"
+        auto = "float16" if pre_ampere else "bfloat16"
+        compute = weights = activations = kv_cache = override or auto
+        if pre_ampere and override == "bfloat16":
+            warning = (
+                f"--dtype bfloat16 on SM {cc} is an EMULATED path: this GPU has no bf16 datapath, every bf16 op runs "
+                "through fp32 and decode will be several times slower; the policy would pick float16"
+            )
+        elif platform == "tpu" and override == "float16":
+            warning = "--dtype float16 on TPU is an EMULATED path: the MXU has no float16 mode; the policy would pick bfloat16"
     return DevicePolicy(
-        platform=platform, device_kind=kind, compute_capability=cc, device_memory_bytes=memory,
-        compute_dtype=compute, weights=weights, activations=activations, kv_cache=activations,
-        pallas_interpret=platform == "cpu", override=override, warning=warning,
+        platform=platform,
+        device_kind=kind,
+        compute_capability=cc,
+        device_memory_bytes=memory,
+        compute_dtype=compute,
+        weights=weights,
+        activations=activations,
+        kv_cache=kv_cache,
+        pallas_interpret=platform == "cpu",
+        cpu_gemv_fusion=cpu_gemv_fusion if platform == "cpu" else None,
+        override=override,
+        warning=warning,
     )
+
+
+def log_policy(policy: DevicePolicy) -> None:
+    """The engine's first log line, then the warning (if any) in capitals so nobody misses it."""
+    log.info(policy.log_line())
+    if policy.warning:
+        log.warning("WARNING: %s", policy.warning)

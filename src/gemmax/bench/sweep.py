@@ -1,0 +1,335 @@
+"""The sweep: every (input length x load level) cell of one OpenAI-compatible endpoint, measured the
+same way whatever runtime answers.
+
+Per cell: build all prompts first (exact token counts, unique nonces; no tokenize call runs while
+requests are timed), run one warm-up round at the exact measured shape (same input length, output
+length and load level; recorded under `warmup`, never averaged in), then `repeats` measured rounds.
+A round is `concurrency` requests sent together, or in request-rate mode `num_prompts` requests with
+seeded Poisson arrivals at `request_rate` req/s. Requests go to `/v1/completions` at temperature 0.
+Output length is forced with `ignore_eos` and `min_tokens` (vLLM extensions, sent with
+`return_token_ids`) where the server accepts them, and checked against returned usage.
+
+Decode sources: `stream` (wire 1/TPOT), `gauge` (the server's `usage.decode_tokens_per_second`),
+`both` (both from the same streamed request, with gauge/stream ratio), `auto` (a probe request
+decides: `both` when the server reports a gauge, else `stream`). Every request streams, so the wire
+figure exists for every source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gemmax.bench.metrics import gauge_resolution, spread_stats, vllm_metrics
+from gemmax.bench.prompts import IdPrompts, TextPrompts, resolve_prompts
+from gemmax.bench.timing import RequestRecord, stream_request
+
+SCHEMA = "gemmax-bench/1"
+DEGENERATE_COUNTER = "gemmax:degenerate_responses_total"
+DECODE_SOURCES = ("auto", "stream", "gauge", "both")
+PROBE_OUTPUT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    base_url: str
+    model: str | None = None  # default: the first entry of /v1/models
+    input_lens: tuple[int, ...] = (41, 521, 2057, 3593)
+    output_len: int = 64
+    repeats: int = 3
+    concurrency: tuple[int, ...] = (1,)
+    request_rates: tuple[float, ...] = ()  # non-empty: request-rate mode instead of concurrency levels
+    num_prompts: int = 8  # requests per round in request-rate mode
+    decode_source: str = "auto"
+    prompt_mode: str = "auto"  # auto | server | local | ids (see gemmax.bench.prompts)
+    tokenizer: Path | None = None
+    vocab_size: int | None = None
+    label: str | None = None
+    api_key: str | None = None
+    price_per_hour: float | None = None
+    seed: int = 0
+    timeout_s: float = 1800.0
+
+    def __post_init__(self):
+        if self.decode_source not in DECODE_SOURCES:
+            raise ValueError(f"decode source must be one of {DECODE_SOURCES}, got {self.decode_source!r}")
+        if not self.input_lens or min(self.input_lens) < 1:
+            raise ValueError(f"input lengths must be >= 1, got {self.input_lens}")
+        if self.output_len < 1 or self.repeats < 1:
+            raise ValueError("output length and repeats must be >= 1")
+        if self.request_rates:
+            if min(self.request_rates) <= 0 or self.num_prompts < 1:
+                raise ValueError("request rates must be > 0 and num_prompts >= 1")
+        elif not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+
+    def load_levels(self) -> list[tuple[int | None, float | None]]:
+        """(concurrency, request_rate) per cell column."""
+        if self.request_rates:
+            return [(None, r) for r in self.request_rates]
+        return [(c, None) for c in self.concurrency]
+
+    def round_size(self, concurrency: int | None) -> int:
+        return concurrency if concurrency is not None else self.num_prompts
+
+    def planned_requests(self) -> int:
+        """Requests the sweep will send: the probe, then warm-up + repeats rounds per cell."""
+        per_input = sum(self.round_size(c) * (1 + self.repeats) for c, _ in self.load_levels())
+        return 1 + per_input * len(self.input_lens)
+
+
+async def _get_json(client: httpx.AsyncClient, path: str) -> dict[str, Any] | None:
+    """A JSON object from GET `path`; {"status_code": N} on an HTTP error status; None when unreachable
+    or not JSON."""
+    try:
+        response = await client.get(path)
+        if response.status_code != 200:
+            return {"status_code": response.status_code}
+        data = response.json()
+        return data if isinstance(data, dict) else {"value": data}
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def degenerate_count(client: httpx.AsyncClient) -> float | None:
+    """`gemmax:degenerate_responses_total` from /metrics (summed over labels); None when absent."""
+    try:
+        response = await client.get("/metrics")
+        if response.status_code != 200:
+            return None
+        total = None
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.name == DEGENERATE_COUNTER:
+                    total = (total or 0.0) + sample.value
+        return total
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+class Sweep:
+    def __init__(self, config: SweepConfig, on_request: Callable[[RequestRecord], None] | None = None):
+        self.config = config
+        self.on_request = on_request or (lambda record: None)
+        self.forced = True
+        self.model = config.model
+        self.prompts: TextPrompts | IdPrompts | None = None
+        self._next_index = 0
+
+    def _payload(self, prompt: str | list[int], output_len: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.forced:  # vLLM extensions: a fixed output length, and token ids in every chunk so a
+            # chunk whose text is held back (partial UTF-8, no tokenizer) still counts as a token
+            payload.update(ignore_eos=True, min_tokens=output_len, return_token_ids=True)
+        return payload
+
+    async def _one(self, client: httpx.AsyncClient, prompt: str | list[int], input_len: int,
+                   output_len: int) -> RequestRecord:
+        record = RequestRecord(input_len=input_len, max_tokens=output_len)
+        await stream_request(client, "/v1/completions", self._payload(prompt, output_len), record)
+        self.on_request(record)
+        return record
+
+    async def _prompts(self, n: int, count: int) -> list[str | list[int]]:
+        assert self.prompts is not None
+        out = []
+        for _ in range(count):
+            out.append(await self.prompts.build(n, self._next_index))
+            self._next_index += 1
+        return out
+
+    async def _round(self, client: httpx.AsyncClient, prompts: list[str | list[int]], input_len: int,
+                     rate: float | None, seed: int) -> tuple[list[RequestRecord], float]:
+        """Send one round; (records in send order, wall seconds from first send to last end)."""
+        output_len = self.config.output_len
+        start = perf_counter()
+        if rate is None:
+            records = await asyncio.gather(*(self._one(client, p, input_len, output_len) for p in prompts))
+        else:
+            rng = random.Random(seed)
+            tasks, arrival = [], 0.0
+            for p in prompts:
+                await asyncio.sleep(max(0.0, start + arrival - perf_counter()))
+                tasks.append(asyncio.create_task(self._one(client, p, input_len, output_len)))
+                arrival += rng.expovariate(rate)
+            records = await asyncio.gather(*tasks)
+        return list(records), perf_counter() - start
+
+    async def _probe(self, client: httpx.AsyncClient) -> RequestRecord:
+        """One small request: are the vLLM extensions accepted (else retried without them), and does
+        the server report a gauge?"""
+        n = min(self.config.input_lens)
+        (prompt,) = await self._prompts(n, 1)
+        record = await self._one(client, prompt, n, PROBE_OUTPUT)
+        if not record.success and record.http_status in (400, 422):
+            self.forced = False
+            record = await self._one(client, prompt, n, PROBE_OUTPUT)
+        if not record.success:
+            raise RuntimeError(f"probe request failed: {record.error}")
+        return record
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        largest_round = max(self.config.round_size(c) for c, _ in cfg.load_levels())
+        limits = httpx.Limits(max_connections=largest_round + 4, max_keepalive_connections=largest_round + 4)
+        async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
+                                     timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
+            models = await _get_json(client, "/v1/models") or {}
+            entries = models.get("data") or [{}]
+            entry = next((e for e in entries if e.get("id") == cfg.model), entries[0])
+            if self.model is None:
+                self.model = entry.get("id")
+                if self.model is None:
+                    raise RuntimeError(f"{cfg.base_url}/v1/models lists no model: pass --model")
+            vocab_size = cfg.vocab_size or entry.get("vocab_size")
+            self.prompts = await resolve_prompts(client, self.model, cfg.prompt_mode, cfg.tokenizer,
+                                                 vocab_size, cfg.seed)
+            started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+            health_before = await _get_json(client, "/health")
+            degenerate_before = await degenerate_count(client)
+            probe = await self._probe(client)
+            source = cfg.decode_source
+            if source == "auto":
+                source = "both" if probe.gauge is not None else "stream"
+            elif source in ("gauge", "both") and probe.gauge is None:
+                raise RuntimeError(f"decode source {source!r}: the server reports no "
+                                   "usage.decode_tokens_per_second (use --decode-source stream)")
+            cells = []
+            for input_len in cfg.input_lens:
+                for concurrency, rate in cfg.load_levels():
+                    cells.append(await self._cell(client, input_len, concurrency, rate, source))
+            health_after = await _get_json(client, "/health")
+            degenerate_after = await degenerate_count(client)
+        return {
+            "schema": SCHEMA,
+            "label": cfg.label or f"{self.model}@{httpx.URL(cfg.base_url).netloc.decode()}",
+            "base_url": cfg.base_url,
+            "model": self.model,
+            "started": started,
+            "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "config": {k: (str(v) if isinstance(v, Path) else v)
+                       for k, v in dataclasses.asdict(cfg).items() if k != "api_key"},
+            "decode_source": source,
+            "prompt_mode": self.prompts.mode,
+            "forced_output": self.forced,
+            "server": {
+                "model_entry": entry,
+                "health_before": health_before,
+                "health_after": health_after,
+                "precision_before": (health_before or {}).get("precision"),
+                "precision_after": (health_after or {}).get("precision"),
+                "degenerate_responses_before": degenerate_before,
+                "degenerate_responses_after": degenerate_after,
+                "degenerate_responses_delta": (None if degenerate_before is None or degenerate_after is None
+                                               else degenerate_after - degenerate_before),
+            },
+            "probe": probe.to_json(),
+            "cells": cells,
+        }
+
+    async def _cell(self, client: httpx.AsyncClient, input_len: int, concurrency: int | None,
+                    rate: float | None, source: str) -> dict[str, Any]:
+        cfg = self.config
+        size = cfg.round_size(concurrency)
+        prompts = await self._prompts(input_len, size * (1 + cfg.repeats))
+        seed = cfg.seed * 7919 + input_len
+        warmup, _ = await self._round(client, prompts[:size], input_len, rate, seed)
+        rounds: list[list[RequestRecord]] = []
+        duration = 0.0
+        for r in range(cfg.repeats):
+            chunk = prompts[size * (r + 1): size * (r + 2)]
+            records, wall = await self._round(client, chunk, input_len, rate, seed + r + 1)
+            rounds.append(records)
+            duration += wall
+        return summarize_cell(cfg, input_len, concurrency, rate, source, warmup, rounds, duration)
+
+
+def _median_of(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, rate: float | None,
+                   source: str, warmup: list[RequestRecord], rounds: list[list[RequestRecord]],
+                   duration: float) -> dict[str, Any]:
+    """One cell's JSON: vLLM's metrics over the measured requests (warm-up excluded), then per-repeat
+    medians of the decode figures summarised as median / min / max across repeats."""
+    measured = [r for rnd in rounds for r in rnd]
+    per_repeat: dict[str, list[float]] = {"stream": [], "gauge": [], "ratio": [], "ttft_ms": []}
+    for rnd in rounds:
+        ok = [r for r in rnd if r.success]
+        stream = [r.decode_tok_s for r in ok if r.decode_tok_s]
+        gauges = [r.gauge for r in ok if r.gauge is not None]
+        ratios = [r.gauge / r.decode_tok_s for r in ok if r.gauge is not None and r.decode_tok_s]
+        for key, values in (("stream", stream), ("gauge", gauges), ("ratio", ratios),
+                            ("ttft_ms", [r.ttft * 1000.0 for r in ok])):
+            med = _median_of(values)
+            if med is not None:
+                per_repeat[key].append(med)
+    stream_stats = spread_stats(per_repeat["stream"])
+    all_gauges = [r.gauge for r in measured if r.success and r.gauge is not None]
+    gauge_stats = spread_stats(per_repeat["gauge"]) if source in ("gauge", "both") else None
+    ratio_stats = spread_stats(per_repeat["ratio"]) if source == "both" else None
+    resolution = None
+    if gauge_stats is not None and all_gauges:
+        resolution = gauge_resolution(all_gauges, stream_stats["spread"] if stream_stats else None)
+    headline = gauge_stats if source == "gauge" else stream_stats
+
+    flags = []
+    successful = [r for r in [*warmup, *measured] if r.success]
+    output_ok = all(r.output_tokens == cfg.output_len for r in successful) if successful else None
+    if output_ok is False:
+        got = sorted({r.output_tokens for r in successful})
+        flags.append(f"output length not held: asked {cfg.output_len}, got {got}")
+    reported = [r.prompt_tokens for r in successful if r.prompt_tokens is not None]
+    input_ok = all(n == input_len for n in reported) if reported else None
+    if input_ok is False:
+        flags.append(f"input length off: built {input_len}, server counted {sorted(set(reported))}")
+    if resolution is not None and resolution["flagged"]:
+        flags.append(f"gauge tick {resolution['tick']:g} is {resolution['resolution']:.2%} of its value, "
+                     f"coarser than the run-to-run spread {resolution['spread']:.2%}")
+    failed = [r for r in measured if not r.success]
+    if failed:
+        flags.append(f"{len(failed)} of {len(measured)} requests failed: {failed[0].error[:200]}")
+
+    metrics = vllm_metrics(measured, duration)
+    cost = None
+    if cfg.price_per_hour is not None and metrics["output_throughput"]:
+        cost = cfg.price_per_hour / 3600.0 / metrics["output_throughput"] * 1e6
+    return {
+        "input_len": input_len,
+        "output_len": cfg.output_len,
+        "concurrency": concurrency,
+        "request_rate": rate,
+        "decode_source": source,
+        **metrics,
+        "decode_tok_s": headline["median"] if headline else None,
+        "stream": stream_stats,
+        "gauge": gauge_stats,
+        "ratio": ratio_stats,
+        "gauge_resolution": resolution,
+        "ttft": spread_stats(per_repeat["ttft_ms"]),
+        "output_len_verified": output_ok,
+        "input_len_verified": input_ok,
+        "flags": flags,
+        "cost_per_million_output_tokens": cost,
+        "warmup": [r.to_json() for r in warmup],
+        "requests": [r.to_json() for r in measured],
+    }
+
+
+def run_sweep(config: SweepConfig, on_request: Callable[[RequestRecord], None] | None = None) -> dict[str, Any]:
+    return asyncio.run(Sweep(config, on_request).run())

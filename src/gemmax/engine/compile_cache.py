@@ -1,0 +1,110 @@
+"""JAX's persistent compilation cache: where it lives, whether a start hit it, and moving it.
+
+The first request must not pay compilation: the engine compiles every declared shape at start-up,
+and the persistent cache makes a restart skip the XLA work. `track` counts cache hits and misses
+through JAX's own monitoring events during warm-up. `export_cache` / `import_cache` move the cache
+directory as a tarball, to a local path or any URL fsspec understands (s3://, gs://, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import platformdirs
+from jax import monitoring
+
+_HIT = "/jax/compilation_cache/cache_hits"
+_MISS = "/jax/compilation_cache/cache_misses"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GEMMAX_COMPILE_CACHE", platformdirs.user_cache_dir("gemmax"))) / "xla"
+
+
+def enable(directory: str | Path | None = None) -> Path:
+    """Point JAX's persistent compilation cache at `directory` (default: the user cache dir)."""
+    path = Path(directory) if directory else default_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class Tracker:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, event: str, **_: object) -> None:
+        if event == _HIT:
+            self.hits += 1
+        elif event == _MISS:
+            self.misses += 1
+
+    def summary(self) -> dict[str, object]:
+        return {"cache_dir": str(self.directory), "cache_hits": self.hits, "cache_misses": self.misses,
+                "cache_hit": self.hits > 0 and self.misses == 0}
+
+
+@contextlib.contextmanager
+def track(directory: str | Path | None = None) -> Iterator[Tracker]:
+    """Enable the persistent cache and count its hits / misses while the block runs."""
+    tracker = Tracker(enable(directory))
+    monitoring.register_event_listener(tracker)
+    try:
+        yield tracker
+    finally:
+        monitoring.unregister_event_listener(tracker)
+
+
+def export_cache(dest: str, directory: str | Path | None = None) -> int:
+    """Write the cache directory as a .tar.gz to a local path or fsspec URL; returns bytes written."""
+    source = Path(directory) if directory else default_cache_dir()
+    if not source.is_dir():
+        raise FileNotFoundError(f"no compilation cache at {source}")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(source, arcname="xla")
+    data = buffer.getvalue()
+    with _open(dest, "wb") as f:
+        f.write(data)
+    return len(data)
+
+
+def import_cache(src: str, directory: str | Path | None = None) -> int:
+    """Unpack a tarball made by export_cache into the cache directory; returns files restored."""
+    target = Path(directory) if directory else default_cache_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    with _open(src, "rb") as f:
+        data = f.read()
+    count = 0
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not member.name.startswith("xla/") or ".." in Path(member.name).parts:
+                continue
+            out = target / Path(member.name).relative_to("xla")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tar.extractfile(member).read())
+            count += 1
+    return count
+
+
+def _open(url: str, mode: str):
+    if "://" in url and not url.startswith("file://"):
+        try:
+            import fsspec
+        except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+            raise RuntimeError("URLs need fsspec installed") from exc
+        return fsspec.open(url, mode).open()
+    path = Path(url.removeprefix("file://"))
+    if "w" in mode:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, mode)

@@ -1,0 +1,443 @@
+"""Continuous batching over a fixed set of decode slots.
+
+Device state: one KV cache with `max_batch` rows of `max_model_len` positions (sliding layers keep a
+ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
+compiled shapes are a small declared set, all compiled by `warm_up` before the engine reports ready:
+
+    prefill[bucket]   tokens [1, bucket] into one slot (chunks of the largest bucket for long prompts)
+    decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
+
+`max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
+loop thread admits queued requests into free slots between decode dispatches, then enqueues
+`steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: no host sync per
+token) and reads their tokens once, streams them, and frees the slots of finished or cancelled
+requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmax.config import ModelConfig
+from gemmax.engine import compile_cache
+from gemmax.engine.api import (
+    EngineNotReady,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    PromptTooLong,
+    RequestHandle,
+    RequestTimings,
+    TokenEvent,
+)
+from gemmax.engine.degeneracy import check_degeneracy
+from gemmax.engine.sampling import SamplingState, row_values, sample
+from gemmax.model import Precision, forward, init_cache
+
+log = logging.getLogger("gemmax.engine")
+
+DEFAULT_BUCKETS = (32, 128, 512, 2048)
+
+
+def prefill_buckets(max_model_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The declared prefill lengths that fit max_model_len (at least one)."""
+    fitting = tuple(b for b in sorted(buckets) if b <= max_model_len)
+    return fitting or (max_model_len,)
+
+
+def plan_chunks(prompt_len: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(real tokens, bucket)] covering the prompt: full chunks of the largest bucket, then the
+    smallest bucket that holds the rest."""
+    largest = buckets[-1]
+    chunks = []
+    remaining = prompt_len
+    while remaining > largest:
+        chunks.append((largest, largest))
+        remaining -= largest
+    chunks.append((remaining, next(b for b in buckets if b >= remaining)))
+    return chunks
+
+
+def _rows(tree, slot, size=1):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, size, axis=0), tree)
+
+
+def _put_rows(tree, rows, slot):
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
+def _prefill(params, cache, state, tokens, slot, start, num_new, want_logprobs, *, config, precision):
+    """Prefill one chunk [1, bucket] of slot `slot`; sample that row's next token from its last real one."""
+    row_cache = _rows(cache, slot)
+    logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
+                                precision=precision)
+    row_state = _rows(state, slot)
+    ids, lp, top_ids, top_lp, row_state = sample(logits, row_state, want_logprobs[None])
+    return _put_rows(cache, row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
+def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
+    """One decode step for every slot. Rows with remaining == 0 are idle: they write nothing and keep
+    their token, position and sampling state."""
+    active = remaining > 0
+    logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
+                            config=config, precision=precision)
+    ids, lp, top_ids, top_lp, sampled = sample(logits, state, want_logprobs)
+    state = jax.tree.map(lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+                         sampled, state)
+    ids = jnp.where(active, ids, tokens)
+    step = active.astype(jnp.int32)
+    return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _set_row(state: SamplingState, slot, row: SamplingState) -> SamplingState:
+    """Write one request's sampling settings (a SamplingState of unbatched values) into slot `slot`."""
+    return jax.tree.map(lambda a, v: a.at[slot].set(v), state, row)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Host-side bookkeeping of one running request."""
+
+    handle: RequestHandle
+    request: GenerationRequest
+    stop_ids: frozenset[int]
+    budget: int  # tokens it may still produce (max_tokens capped by max_model_len)
+    submitted: float
+    admitted: float
+    prefill_seconds: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    bucket_total: int = 0
+    pad_tokens: int = 0
+    uncompiled: bool = False
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+class BatchEngine:
+    """The engine behind `gemmax serve`: implements gemmax.engine.api.Engine."""
+
+    def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, steps_per_dispatch: int = 4,
+                 compile_cache_dir: str | None = None):
+        self.loaded = loaded
+        self.config: ModelConfig = loaded.checkpoint.config
+        self.params = loaded.checkpoint.params
+        self.precision: Precision = loaded.policy.precision()
+        self._max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.buckets = prefill_buckets(max_model_len, buckets)
+        self.steps_per_dispatch = steps_per_dispatch
+        self.compile_cache_dir = compile_cache_dir
+        self.warmup_report: dict[str, Any] = {}
+        self._ready = threading.Event()
+        self._closing = False
+        self._lock = threading.Condition()
+        self._queue: collections.deque[tuple[RequestHandle, float]] = collections.deque()
+        self._slots: list[_Slot | None] = [None] * max_batch
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------------------ Engine protocol
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._closing
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def info(self) -> dict[str, Any]:
+        policy = self.loaded.policy
+        return {
+            "model": self.loaded.name,
+            "family": self.config.family,
+            "policy": policy.as_dict(),
+            "precision": {
+                "weights": policy.weights, "activations": policy.activations, "kv_cache": policy.kv_cache,
+                "compute_dtype": policy.compute_dtype, "pre_ampere": policy.pre_ampere,
+            },
+            "weight_bytes": self.loaded.checkpoint.weight_bytes,
+            "max_model_len": self.max_model_len,
+            "max_batch": self.max_batch,
+            "prefill_buckets": list(self.buckets),
+            "steps_per_dispatch": self.steps_per_dispatch,
+            "warmup": self.warmup_report,
+        }
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        if not self.ready:
+            raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
+        prompt_len = len(request.prompt_ids)
+        if prompt_len == 0:
+            raise ValueError("prompt is empty")
+        if prompt_len + 1 > self.max_model_len:
+            raise PromptTooLong(prompt_len, self.max_model_len)
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
+        with self._lock:
+            self._queue.append((handle, time.perf_counter()))
+            self._lock.notify()
+        return handle
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            running = sum(s is not None for s in self._slots)
+            return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
+                               slots_total=self.max_batch)
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        self._closing = True
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline:
+            stats = self.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+            time.sleep(0.01)
+        with self._lock:
+            for handle, _ in self._queue:
+                handle.cancel()
+            for slot in self._slots:
+                if slot is not None:
+                    slot.handle.cancel()
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self, background: bool = True) -> BatchEngine:
+        """Warm up (compile every declared shape), then run the scheduling loop."""
+        if background:
+            self._thread = threading.Thread(target=self._run, name="gemmax-engine", daemon=True)
+            self._thread.start()
+        else:
+            self._warm_up()
+            self._thread = threading.Thread(target=self._loop, name="gemmax-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"engine failed to start: {self.error}") from self.error
+        return self._ready.is_set()
+
+    def _run(self) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:  # surfaced through wait_ready / health
+            self.error = exc
+            log.exception("engine warm-up failed")
+            self._ready.set()
+            return
+        self._loop()
+
+    def _init_device_state(self) -> None:
+        B = self.max_batch
+        self.cache = init_cache(self.config, B, self.max_model_len, self.precision.kv_cache)
+        self.state = SamplingState.empty(B, self.config.vocab_size)
+        self.tokens = jnp.zeros(B, jnp.int32)
+        self.positions = jnp.zeros(B, jnp.int32)
+        self.remaining = jnp.zeros(B, jnp.int32)
+        self.want_logprobs = np.zeros(B, np.bool_)
+
+    def _warm_up(self) -> None:
+        """Run one throwaway request per prefill bucket through the real admission and decode path, so
+        every compiled shape (and every small helper kernel) exists before the first real request."""
+        with compile_cache.track(self.compile_cache_dir) as tracker:
+            started = time.perf_counter()
+            self._init_device_state()
+            for bucket in self.buckets:
+                prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
+                request = GenerationRequest(prompt, max_tokens=2 * self.steps_per_dispatch + 1, ignore_eos=True,
+                                            logprobs=1 if bucket == self.buckets[0] else None)
+                self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
+                while self._slots[0] is not None:
+                    self._decode_dispatch()
+            jax.block_until_ready(self.cache)
+            seconds = time.perf_counter() - started
+        self._init_device_state()
+        self.warmup_report = {"compile_seconds": seconds, "shapes": len(self.buckets) + 1, **tracker.summary()}
+        log.info("warm-up: %d compiled shapes in %.2f s (%s)", len(self.buckets) + 1, seconds, tracker.summary())
+        self._ready.set()
+
+    # ------------------------------------------------------------------------------ device calls
+    def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, want_logprobs: bool):
+        before = _prefill._cache_size()
+        self.cache, self.state, out = _prefill(
+            self.params, self.cache, self.state, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start),
+            jnp.int32(num_new), jnp.bool_(want_logprobs), config=self.config, precision=self.precision)
+        return out, _prefill._cache_size() != before
+
+    def _dispatch_decode(self, steps: int):
+        outputs = []
+        want = jnp.asarray(self.want_logprobs)
+        for _ in range(steps):  # enqueued back to back; nothing waits for the host in between
+            self.cache, self.state, self.tokens, self.positions, self.remaining, out = _decode(
+                self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want,
+                config=self.config, precision=self.precision)
+            outputs.append(out)
+        return jax.device_get(outputs)
+
+    # ------------------------------------------------------------------------------ scheduling
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._queue and all(s is None for s in self._slots):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            try:
+                self._admit()
+                self._reap_cancelled()
+                if any(s is not None for s in self._slots):
+                    self._decode_dispatch()
+            except Exception as exc:  # a real fault: fail the running requests, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                free = [i for i, s in enumerate(self._slots) if s is None]
+                if not free or not self._queue:
+                    return
+                handle, submitted = self._queue.popleft()
+            if handle.cancelled:
+                self._finish_unstarted(handle, submitted)
+                continue
+            self._prefill_into(free[0], handle, submitted)
+
+    def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float) -> None:
+        request = handle.request
+        prompt = list(request.prompt_ids)
+        admitted = time.perf_counter()
+        stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else frozenset(self.eos_token_ids))
+        slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
+                     budget=min(request.max_tokens, self.max_model_len - len(prompt)),
+                     submitted=submitted, admitted=admitted)
+        row = SamplingState(**row_values(request.sampling, prompt, self.config.vocab_size))
+        self.state = _set_row(self.state, jnp.int32(slot_index), row)
+        want = request.logprobs is not None
+        start = 0
+        for real, bucket in plan_chunks(len(prompt), self.buckets):
+            chunk = np.zeros((1, bucket), np.int32)
+            chunk[0, :real] = prompt[start : start + real]
+            out, compiled = self._run_prefill(chunk, slot_index, start, real, want)
+            slot.uncompiled |= compiled
+            slot.bucket_total += bucket
+            slot.pad_tokens += bucket - real
+            start += real
+        token, lp, top_ids, top_lp = jax.device_get(out)
+        now = time.perf_counter()
+        slot.prefill_seconds = now - admitted
+        self._slots[slot_index] = slot
+        self.want_logprobs[slot_index] = want
+        self.tokens = self.tokens.at[slot_index].set(int(token))
+        self.positions = self.positions.at[slot_index].set(len(prompt))
+        self.remaining = self.remaining.at[slot_index].set(0)
+        if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
+            # budget counts the token just produced; the device runs while tokens are still owed
+            self.remaining = self.remaining.at[slot_index].set(slot.budget - len(slot.tokens))
+
+    def _decode_dispatch(self) -> None:
+        steps = self.steps_per_dispatch
+        outputs = self._dispatch_decode(steps)
+        now = time.perf_counter()
+        for ids, lps, top_ids, top_lps, active in outputs:
+            for i, slot in enumerate(self._slots):
+                if slot is None or not active[i]:
+                    continue
+                self._accept(i, int(ids[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+        self._reap_cancelled()
+
+    def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
+        """Take one generated token for slot i; returns True if the request goes on."""
+        slot = self._slots[i]
+        request = slot.request
+        if slot.first_token_at is None:
+            slot.first_token_at = now
+        slot.last_token_at = now
+        if token in slot.stop_ids and len(slot.tokens) >= request.min_tokens:
+            self._finish(i, "stop", stop_token=token)
+            return False
+        slot.tokens.append(token)
+        top = None
+        if request.logprobs:
+            top = tuple((int(t), float(v)) for t, v in zip(top_ids[: request.logprobs], top_lps[: request.logprobs], strict=True))
+        slot.handle.put(TokenEvent(token, lp if request.logprobs is not None else None, top))
+        if len(slot.tokens) >= slot.budget:
+            self._finish(i, "length")
+            return False
+        return True
+
+    def _reap_cancelled(self) -> None:
+        for i, slot in enumerate(self._slots):
+            if slot is not None and slot.handle.cancelled:
+                self._finish(i, "cancelled")
+
+    def _finish(self, i: int, reason: str, stop_token: int | None = None, error: str | None = None) -> None:
+        slot = self._slots[i]
+        self.remaining = self.remaining.at[i].set(0)
+        with self._lock:
+            self._slots[i] = None
+        first = slot.first_token_at or time.perf_counter()
+        last = slot.last_token_at or first
+        decode_seconds = last - first
+        n = len(slot.tokens)
+        timings = RequestTimings(
+            queue_seconds=slot.admitted - slot.submitted,
+            prefill_seconds=slot.prefill_seconds,
+            time_to_first_token_seconds=first - slot.submitted,
+            decode_seconds=decode_seconds,
+            decode_tokens_per_second=(n - 1) / decode_seconds if n > 1 and decode_seconds > 0 else 0.0,
+            prefill_bucket=slot.bucket_total,
+            pad_tokens=slot.pad_tokens,
+            uncompiled_shape=slot.uncompiled,
+        )
+        verdict = check_degeneracy(slot.tokens)
+        if verdict.degenerate:
+            log.warning("degenerate output for %s: %s", slot.handle.request_id, verdict.reason)
+        slot.handle.finish(GenerationResult(
+            token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
+            timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error))
+
+    def _finish_unstarted(self, handle: RequestHandle, submitted: float) -> None:
+        now = time.perf_counter()
+        handle.finish(GenerationResult(
+            token_ids=(), finish_reason="cancelled", prompt_tokens=len(handle.request.prompt_ids),
+            timings=RequestTimings(now - submitted, 0.0, 0.0, 0.0, 0.0, 0, 0, False),
+            degeneracy=check_degeneracy(())))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for i, slot in enumerate(self._slots):
+            if slot is not None:
+                self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+        self._init_device_state()

@@ -1,0 +1,219 @@
+"""Weights in the fastest stored form for the device, and a check of the compiled decode step.
+
+On CPU, decode at batch 1 is one matrix-vector product per weight matrix, and XLA:CPU streams a
+bf16 weight at near memory bandwidth only in one fused form (`copy_dot_fusion`: the weight's convert
+and transpose fused into a vector-matrix dot) and only while the vector is under 16 KiB in f32
+(`linear.GEMV_MAX_IN` = 4095 inputs). Every other spelling makes XLA materialise an f32 copy of the
+weight on every step, 20x slower (docs/cpu_decode.md). So `prepare_params` stores each matrix with
+more inputs than that as a tuple of column blocks, and `linear.linear` sums per-block products.
+Embedding tables are never split: they are gathered by row, and the tied LM head reads the table
+with in = hidden size.
+
+The fusion is a heuristic of the XLA version that compiled it, so `decode_weight_reads` parses the
+compiled HLO of a decode step and classifies how every weight matrix is read; `check_decode_hlo`
+turns that into a list of problems (empty when every matrix is read once by a fused dot). Tests run
+it on the real decode step so a jax upgrade that breaks the fusion fails a test instead of silently
+making decode 20x slower, and the engine can run it at warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from gemmax.config import ModelConfig
+from gemmax.linear import GEMV_MAX_IN
+from gemmax.params import Params, param_specs, tree_from_leaves
+
+# Column blocks are a multiple of this many inputs (cache lines of bf16, SIMD-friendly widths).
+_BLOCK_ALIGN = 64
+
+
+def column_blocks(n_in: int, max_in: int = GEMV_MAX_IN) -> tuple[int, ...]:
+    """Widths of the fewest near-equal column blocks of `n_in` inputs with each <= max_in.
+
+    6144 -> (3072, 3072); 12288 -> (3072,) * 4; 4096 -> (2048, 2048); 8960 -> (3008, 3008, 2944).
+    """
+    if n_in <= max_in:
+        return (n_in,)
+    align = _BLOCK_ALIGN if max_in >= _BLOCK_ALIGN else 1
+    width = math.ceil(math.ceil(n_in / math.ceil(n_in / max_in)) / align) * align
+    width = min(width, max_in // align * align)
+    count = math.ceil(n_in / width)
+    return (width,) * (count - 1) + (n_in - width * (count - 1),)
+
+
+def split_columns(w: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """W [out, in] -> column blocks ([out, widths[0]], ...), each its own contiguous array."""
+    blocks, start = [], 0
+    for width in widths:
+        blocks.append(w[:, start : start + width])
+        start += width
+    return tuple(blocks)
+
+
+def prepare_params(params: Params, config: ModelConfig, policy, max_in: int = GEMV_MAX_IN) -> Params:
+    """Loaded params -> the stored form `linear` reads fastest on `policy.platform`.
+
+    CPU: matrices with more than `GEMV_MAX_IN` inputs become tuples of column blocks (down
+    projections of width 6144/12288, o projections of full-attention layers with 8x512 inputs, ...).
+    GPU / TPU: unchanged (cuBLAS / the TPU MXU read [out, in] weights directly).
+    Already-split matrices are left as they are, so preparing twice is harmless. Works on arrays and,
+    under `jax.eval_shape`, on ShapeDtypeStructs.
+    """
+    if policy.platform != "cpu":
+        return params
+    leaves = {}
+    for spec in param_specs(config):
+        value = _get(params, spec.path)
+        if spec.kind == "matrix" and not isinstance(value, tuple) and value.shape[-1] > max_in:
+            value = split_columns(value, column_blocks(value.shape[-1], max_in))
+        leaves[spec.path] = value
+    prepared = tree_from_leaves(config, leaves)
+    extra = set(params) - set(prepared)  # e.g. a separate "lm_head" form added by a quantiser
+    return {**prepared, **{key: params[key] for key in extra}}
+
+
+def _get(params: Params, path: tuple[str | int, ...]) -> Any:
+    node: Any = params
+    for key in path:
+        node = node[key]
+    return node
+
+
+# ------------------------------------------------------------------------------- compiled HLO check
+
+GEMV = "gemv"  # kLoop fusion whose root is a dot: XLA:CPU's fused matrix-vector product
+GEMM = "gemm"  # a library GEMM fusion (YNNPACK on CPU) reading the weight as stored
+GATHER = "gather"  # rows gathered (embedding lookup)
+COPY = "copy"  # anything else: a converted / transposed copy of the weight, a plain dot, ...
+
+_INDEX_TYPES = ("pred", "s32", "s64", "u32", "u64")  # token ids, positions: never weights
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
+_COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+) \(.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    shape: str
+    op: str
+    operands: tuple[str, ...]
+    attrs: str
+    root: bool
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    match = _INSTR.match(line)
+    if not match:
+        return None
+    rest = match.group("rest")
+    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rest[: i + 1], rest[i + 2 :]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op, _, rest = rest.partition("(")
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
+    return _Instr(match.group("name"), shape, op, operands, rest[end + 1 :], line.lstrip().startswith("ROOT"))
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        head = _COMP.match(line)
+        if head:
+            current = head.group("name")
+            comps[current] = []
+            if head.group("entry"):
+                entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            instr = _parse_instr(line)
+            if instr is not None:
+                comps[current].append(instr)
+    if not entry:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return comps, entry
+
+
+def _classify(user: _Instr, comps: Mapping[str, list[_Instr]]) -> str:
+    if user.op in ("gather", "dynamic-slice"):
+        return GATHER
+    if user.op != "fusion":
+        return COPY
+    if "__ynn_fusion" in user.attrs:
+        return GEMM
+    called = re.search(r"calls=%([\w.\-]+)", user.attrs)
+    body = comps.get(called.group(1), []) if called else []
+    ops = {instr.op for instr in body}
+    root = next((instr for instr in body if instr.root), None)
+    if "kind=kLoop" in user.attrs and root is not None and root.op == "dot" and sum(i.op == "dot" for i in body) == 1:
+        return GEMV
+    if ops & {"gather", "dynamic-slice"} and "dot" not in ops:
+        return GATHER
+    return COPY
+
+
+def decode_weight_reads(hlo_text: str, min_rank: int = 2) -> dict[str, tuple[str, ...]]:
+    """{argument path (e.g. "params['layers'][0]['down'][1]"): how each reader of it reads it}, for every
+    entry parameter of rank 2 (weight matrices, their column blocks, embedding tables).
+
+    The kinds: GEMV (fused matrix-vector dot), GEMM (library GEMM), GATHER (row gather), COPY (a
+    materialised converted/transposed copy or an unfused dot: the slow path).
+    """
+    comps, entry = _computations(hlo_text)
+    instrs = comps[entry]
+    readers: dict[str, list[_Instr]] = {}
+    for instr in instrs:
+        for operand in instr.operands:
+            readers.setdefault(operand, []).append(instr)
+    reads = {}
+    for instr in instrs:
+        if instr.op != "parameter":
+            continue
+        dims = re.match(r"(\w+)\[([\d,]*)\]", instr.shape)
+        if dims is None or dims.group(1) in _INDEX_TYPES or len([d for d in dims.group(2).split(",") if d]) != min_rank:
+            continue
+        label = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs)
+        key = label.group(1).replace("\\'", "'") if label else instr.name
+        reads[key] = tuple(sorted(_classify(user, comps) for user in readers.get(instr.name, [])))
+    return reads
+
+
+def check_decode_hlo(hlo_text: str, batch: int) -> list[str]:
+    """Problems with the weight reads of a compiled decode step (empty list: all fast).
+
+    Batch 1: every weight matrix (and column block, and the tied LM head) is read by exactly one
+    fused matrix-vector dot; tables may also be gathered. Batch > 1: no weight is read through a
+    materialised copy or an unfused dot.
+    """
+    problems = []
+    for name, kinds in decode_weight_reads(hlo_text).items():
+        products = [k for k in kinds if k != GATHER]
+        if batch == 1 and products and products != [GEMV]:
+            problems.append(f"{name}: read as {', '.join(products)} (want exactly one fused matrix-vector dot)")
+        elif batch > 1 and COPY in products:
+            problems.append(f"{name}: read as {', '.join(products)} (a materialised copy or unfused dot)")
+    return problems

@@ -1,0 +1,402 @@
+"""Memory plan (weights + KV cache + workspace vs device memory) and decode-step traffic.
+
+KV cache: exactly what `gemmax.model.init_cache` allocates. Only layers that own a KV cache store
+one (KV-sharing "reuse" layers read their donor's); each stores K and V of [slots, nkv, hd], with
+slots = max_len on full-attention layers and a ring of min(window, max_len) on sliding layers. Note
+that gemmax's ring keeps `window` slots (512 for Gemma 4 E2B) where transformers keeps window - 1
+(511): the query's own key is written before attention reads the ring. So for E2B (12 sliding + 3
+full producers, bf16) the cache of one row of max_len N >= 512 is
+
+    6144 * N + 12 * 512 * 1024 = 6 KiB per token + 6 MiB fixed,
+
+not the naive 18 KiB per token (that holds only when every producer keeps every token).
+
+Workspace: the transient activations of the largest prefill chunk, dominated by the attention
+scores of the widest layer (heads x T x (slots + T) float32, the scores and the probabilities both
+live): quadratic in the chunk, which is how a deployment that served 4,105 prompt tokens failed at
+5,120. The LM head runs at the last real position only (logits="last"), so the [T, V] logits never
+exist. The estimate is calibrated against XLA's own buffer assignment (`compiled.memory_analysis()`,
+see tests/test_memory.py) and errs high.
+
+Decode traffic (`bytes_per_decode_step`): the bytes a decode step must read, the numerator of the
+bandwidth roofline (`tokens/s <= bandwidth / bytes per step`): every weight matrix once (the tied
+LM head reads the embedding table once), only the gathered rows of the embedding and PLE tables,
+and the K/V each attention layer can see at this context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemmax.config import ModelConfig
+from gemmax.model import cache_slots
+from gemmax.params import Params, abstract_params, count_bytes
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------- KV cache
+
+
+def kv_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
+    """Bytes of `init_cache(config, batch, max_len, dtype)`: K and V of every KV-owning layer."""
+    itemsize = np.dtype(dtype).itemsize
+    per_row = sum(
+        2 * cache_slots(spec, max_len) * spec.num_kv_heads * spec.head_dim * itemsize
+        for spec in config.layers
+        if spec.owns_kv
+    )
+    return batch * per_row
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
+    """Marginal KV bytes of one more token of max_len once every sliding ring is full: full layers only."""
+    itemsize = np.dtype(dtype).itemsize
+    return sum(
+        2 * spec.num_kv_heads * spec.head_dim * itemsize
+        for spec in config.layers
+        if spec.owns_kv and not spec.sliding_window
+    )
+
+
+def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int | None = None) -> int:
+    """KV bytes of the sliding rings (window slots each, fewer when max_len is shorter)."""
+    itemsize = np.dtype(dtype).itemsize
+    return sum(
+        2 * (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len))
+        * spec.num_kv_heads * spec.head_dim * itemsize
+        for spec in config.layers
+        if spec.owns_kv and spec.sliding_window
+    )
+
+
+# ------------------------------------------------------------------------------------- weights
+
+
+def weight_bytes(config: ModelConfig, weight_dtype: Any = jnp.bfloat16) -> int:
+    """Bytes of the params pytree in `weight_dtype` (norms float32), from shapes alone (no allocation)."""
+    return count_bytes(abstract_params(config, weight_dtype))
+
+
+def _tree_bytes(tree: Any) -> int:
+    """Bytes of a subtree of arrays or ShapeDtypeStructs (a column-block tuple, a quantised leaf ...)."""
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def _rows(tree: Any) -> int:
+    leaves = jax.tree.leaves(tree)
+    return max(leaf.shape[0] for leaf in leaves)
+
+
+# ------------------------------------------------------------------------------------- workspace
+
+
+def prefill_workspace_bytes(
+    config: ModelConfig, tokens: int, max_len: int, batch: int = 1, activation_dtype: Any = jnp.float32
+) -> int:
+    """Transient bytes of one prefill of `batch` rows x `tokens` into a cache of `max_len`.
+
+    attention: scores and probabilities (float32) of the widest layer, heads x T x (slots + T), with
+               a 12.5% allowance for the mask and the softmax's row statistics;
+    per token: gate and up activations of the widest MLP that sees every token (KV-sharing layers
+               only run the last token when the logits are wanted at the last position), the
+               per-layer inputs [L*P] and a handful of hidden-size vectors.
+    """
+    act = max(np.dtype(activation_dtype).itemsize, 4)  # attention math and norms run in float32
+    keys = max(cache_slots(spec, max_len) for spec in config.layers) + tokens
+    scores = config.num_attention_heads * tokens * keys * 4
+    every_token = [spec for spec in config.layers if spec.owns_kv] or list(config.layers)
+    width = max(spec.intermediate_size for spec in every_token)
+    ple = config.num_layers * config.hidden_size_per_layer_input
+    heads = config.num_attention_heads * max(spec.head_dim for spec in config.layers)
+    per_token = act * (2 * width + ple + 4 * config.hidden_size + 2 * heads)
+    return batch * (scores * 9 // 4 + tokens * per_token)
+
+
+def decode_workspace_bytes(config: ModelConfig, batch: int) -> int:
+    """Transient bytes of a decode step: float32 logits [B, V] and the sampler's copies of them."""
+    return batch * config.vocab_size * 4 * 4
+
+
+# ------------------------------------------------------------------------------------- the plan
+
+
+def load_config(model: str) -> ModelConfig:
+    """A model's config without its weights: a directory holding `config.json` (nothing else needed),
+    a `config.json` file, a `.gguf` file (metadata only) or a hub id (its cached `config.json`, or
+    just that file downloaded when online)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from gemmax.config import ConfigError
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ModelConfig.from_dir(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gemmax.gguf_loader import open_gguf
+
+        return open_gguf(path).config
+    if path.is_file():
+        return ModelConfig.from_hf_config(json.loads(path.read_text()))
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        raise ConfigError(f"model {model!r} is neither a local directory, a config.json, a .gguf nor a hub id")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        file = hf_hub_download(model, "config.json", local_files_only=True)
+    except Exception:
+        try:
+            file = hf_hub_download(model, "config.json")
+        except Exception as exc:  # offline, gated, missing
+            raise ConfigError(
+                f"no cached config.json for {model!r} and it could not be downloaded ({type(exc).__name__}: {exc})"
+            ) from exc
+    return ModelConfig.from_hf_config(json.loads(Path(file).read_text()))
+
+
+class MemoryPlanError(RuntimeError):
+    """The plan does not fit device memory; the message carries the arithmetic and what would fit."""
+
+    def __init__(self, plan: MemoryPlan):
+        self.plan = plan
+        super().__init__(plan.explain())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    max_model_len: int
+    max_batch: int
+    prefill_tokens: int  # the largest prefill chunk the engine compiles
+    weight_dtype: str
+    kv_dtype: str
+    weights: int
+    kv_per_token: int  # marginal bytes per token per slot (full-attention layers)
+    kv_fixed: int  # sliding rings per slot
+    kv_cache: int  # all slots at max_model_len
+    workspace: int
+    device_memory: int
+    reserve: int  # runtime, compiled programs, fragmentation
+    largest_max_model_len: int | None  # at max_batch (None: not even 1 token fits)
+    largest_batch: int  # at max_model_len (0: not even one slot)
+
+    @property
+    def required(self) -> int:
+        return self.weights + self.kv_cache + self.workspace
+
+    @property
+    def available(self) -> int:
+        return self.device_memory - self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.required <= self.available
+
+    def lines(self) -> list[str]:
+        b, n = self.max_batch, self.max_model_len
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        out = [
+            f"memory plan for {self.model}: max_model_len={n} max_batch={b} ({verdict})",
+            f"  weights ({self.weight_dtype})        {_fmt(self.weights)}",
+            f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
+            f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings)",
+            f"  workspace               {_fmt(self.workspace)} (prefill of {self.prefill_tokens:,} tokens, attention scores dominate)",
+            f"  required                {_fmt(self.required)}",
+            f"  device memory           {_fmt(self.device_memory)} - reserve {_fmt(self.reserve)} = {_fmt(self.available)} available",
+        ]
+        if not self.fits:
+            out.append(f"  short by                {_fmt(self.required - self.available)}")
+        longest = "none (the weights alone do not fit)" if self.largest_max_model_len is None else f"{self.largest_max_model_len:,}"
+        out.append(f"  largest max_model_len at max_batch={b}: {longest}")
+        out.append(f"  largest max_batch at max_model_len={n}: {self.largest_batch}")
+        return out
+
+    def explain(self) -> str:
+        return "\n".join(self.lines())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "required": self.required, "available": self.available, "fits": self.fits}
+
+
+def _fmt(n: int) -> str:
+    return f"{n / GiB:8.3f} GiB ({n:,} B)"
+
+
+def plan_memory(
+    config: ModelConfig,
+    max_model_len: int,
+    max_batch: int,
+    device_memory: int,
+    weight_dtype: Any = jnp.bfloat16,
+    kv_dtype: Any = jnp.bfloat16,
+    activation_dtype: Any = jnp.float32,
+    prefill_tokens: int | None = None,
+    weights: int | None = None,
+    reserve_fraction: float = 0.05,
+    model: str = "model",
+) -> MemoryPlan:
+    """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
+    max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
+    checkpoint's `Checkpoint.weight_bytes`)."""
+    if max_model_len < 1 or max_batch < 1:
+        raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
+    weights = weight_bytes(config, weight_dtype) if weights is None else weights
+    reserve = int(device_memory * reserve_fraction)
+
+    def required(n: int, b: int) -> int:
+        chunk = n if prefill_tokens is None else min(prefill_tokens, n)
+        work = max(prefill_workspace_bytes(config, chunk, n, 1, activation_dtype), decode_workspace_bytes(config, b))
+        return weights + kv_cache_bytes(config, n, b, kv_dtype) + work
+
+    available = device_memory - reserve
+    longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
+    widest = _largest(lambda b: required(max_model_len, b) <= available, 1 << 16) or 0
+    chunk = max_model_len if prefill_tokens is None else min(prefill_tokens, max_model_len)
+    return MemoryPlan(
+        model=model,
+        max_model_len=max_model_len,
+        max_batch=max_batch,
+        prefill_tokens=chunk,
+        weight_dtype=jnp.dtype(weight_dtype).name,
+        kv_dtype=jnp.dtype(kv_dtype).name,
+        weights=weights,
+        kv_per_token=kv_bytes_per_token(config, kv_dtype),
+        kv_fixed=kv_fixed_bytes(config, kv_dtype, max_model_len),
+        kv_cache=kv_cache_bytes(config, max_model_len, max_batch, kv_dtype),
+        workspace=max(
+            prefill_workspace_bytes(config, chunk, max_model_len, 1, activation_dtype),
+            decode_workspace_bytes(config, max_batch),
+        ),
+        device_memory=device_memory,
+        reserve=reserve,
+        largest_max_model_len=longest,
+        largest_batch=widest,
+    )
+
+
+def check_fit(plan: MemoryPlan) -> MemoryPlan:
+    """The plan, or MemoryPlanError (arithmetic and what would fit) when it does not fit."""
+    if not plan.fits:
+        raise MemoryPlanError(plan)
+    return plan
+
+
+def _largest(ok, upper: int) -> int | None:
+    """Largest n in [1, upper] with ok(n), for ok monotone (true then false); None if ok(1) is false."""
+    if not ok(1):
+        return None
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# ------------------------------------------------------------------------------------- decode traffic
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTraffic:
+    """Bytes one decode step reads, by kind."""
+
+    matrices: int  # every layer matrix and the PLE projection, read once per step
+    lm_head: int  # the tied embedding table (or a separate lm_head form), read once
+    gathered: int  # embedding and PLE rows of the batch's tokens
+    norms: int
+    kv: int  # K and V visible to every attention layer (KV-sharing layers re-read their donor's)
+
+    @property
+    def weights(self) -> int:
+        return self.matrices + self.lm_head + self.gathered + self.norms
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def decode_traffic(
+    config: ModelConfig, params: Params, batch: int, context: int, kv_dtype: Any = jnp.bfloat16
+) -> DecodeTraffic:
+    """Bytes read by one decode step of `batch` rows at `context` tokens, from params (arrays or
+    ShapeDtypeStructs, plain or prepared by `fastpath.prepare_params`)."""
+    head = params.get("lm_head")
+    lm_head = _tree_bytes(head if head is not None else params["embed"])
+    gathered = 0
+    for table in ("embed", "ple_embed"):
+        if table in params:
+            gathered += batch * _tree_bytes(params[table]) // _rows(params[table])
+    matrices = norms = 0
+    model_level = {k: v for k, v in params.items() if k not in ("embed", "ple_embed", "lm_head", "layers")}
+    for subtree in (model_level, params["layers"]):
+        for leaf in jax.tree.leaves(subtree):
+            size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+            if len(leaf.shape) >= 2:
+                matrices += size
+            else:
+                norms += size
+    itemsize = np.dtype(kv_dtype).itemsize
+    kv = 0
+    for spec in config.layers:
+        visible = min(context, spec.sliding_window) if spec.sliding_window else context
+        kv += batch * visible * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+    return DecodeTraffic(matrices=matrices, lm_head=lm_head, gathered=gathered, norms=norms, kv=kv)
+
+
+def bytes_per_decode_step(
+    config: ModelConfig, params: Params, batch: int, context: int, kv_dtype: Any = jnp.bfloat16
+) -> int:
+    """Total bytes one decode step must read (the roofline's numerator); see `decode_traffic`."""
+    return decode_traffic(config, params, batch, context, kv_dtype).total
+
+
+# ------------------------------------------------------------------------------------- bandwidth
+
+
+def measure_read_bandwidth(size_mib: int = 512, repeats: int = 7, threads: int | None = None) -> float:
+    """All-core memory read bandwidth in GB/s (1e9 B/s): median over `repeats` passes of one thread per
+    core OR-reducing its share of a `size_mib` buffer (far beyond the last-level cache).
+
+    numpy's reductions release the GIL, so the threads run in parallel; an integer OR is exact,
+    vectorised and does too little arithmetic to be compute-bound.
+    """
+    threads = threads or os.cpu_count() or 1
+    buffer = np.ones(size_mib * MiB // 8, np.uint64)
+    chunks = np.array_split(buffer, threads)
+    np.bitwise_or.reduce(buffer)  # touch every page once
+    start = threading.Barrier(threads + 1)
+    stop = threading.Barrier(threads + 1)
+    passes = repeats + 1
+
+    def work(chunk: np.ndarray) -> None:
+        for _ in range(passes):
+            start.wait()
+            np.bitwise_or.reduce(chunk)
+            stop.wait()
+
+    pool = [threading.Thread(target=work, args=(chunk,), daemon=True) for chunk in chunks]
+    for thread in pool:
+        thread.start()
+    seconds = []
+    for _ in range(passes):
+        start.wait()
+        t0 = time.perf_counter()
+        stop.wait()
+        seconds.append(time.perf_counter() - t0)
+    for thread in pool:
+        thread.join()
+    return buffer.nbytes / float(np.median(seconds[1:])) / 1e9

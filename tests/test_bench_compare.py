@@ -1,0 +1,91 @@
+"""`gemmax bench` and `gemmax bench compare` through the CLI, against scripted servers: result files,
+the terminal table, and cross-rig tables that compare wire figures only."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from bench_fake_server import FakeServer, Script
+from gemmax.bench.compare import compare_runs, to_markdown
+from gemmax.bench.report import fmt_range, load_run
+from gemmax.cli import app
+
+runner = CliRunner()
+
+
+def run_bench(server: FakeServer, out, *extra: str):
+    with server.in_thread():
+        result = runner.invoke(app, ["bench", "--base-url", server.base_url, "--input-lens", "8,24",
+                                     "--output-len", "6", "--repeats", "2", "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_bench_cli_writes_json_table_and_summary_line(tmp_path):
+    out = tmp_path / "a.json"
+    result = run_bench(FakeServer(Script(ttft=0.01, itl=0.005, gauge=lambda x: round(x, 1))), out,
+                       "--label", "fake-a", "--price-per-hour", "2.0", "--plot", str(tmp_path / "a.png"))
+    data = load_run(out)
+    assert data["label"] == "fake-a" and data["decode_source"] == "both"
+    assert [c["input_len"] for c in data["cells"]] == [8, 24]
+    assert "fake-a" in result.stdout and "decode tok/s" in result.stdout
+    summary = json.loads(result.stdout.strip().splitlines()[-1])  # the run ends with one JSON line
+    assert [c["decode_tok_s"] for c in summary["cells"]] == [c["decode_tok_s"] for c in data["cells"]]
+    assert all(c["cost_per_million_output_tokens"] > 0 for c in data["cells"])
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_refuses_missing_base_url_and_bad_lists():
+    result = runner.invoke(app, ["bench"])
+    assert result.exit_code != 0 and "--base-url" in result.output
+    result = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--input-lens", "4,x"])
+    assert result.exit_code != 0 and "--input-lens" in result.output
+
+
+def test_compare_uses_wire_figures_across_rigs(tmp_path):
+    # Rig A reports a gauge twice its real rate and is benched with --decode-source gauge; rig B has
+    # no gauge. Both decode at the same real pace, so the cross-rig ratio must be ~1, not ~0.5.
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    run_bench(FakeServer(Script(ttft=0.01, itl=0.02, gauge=lambda x: 2 * x)), a, "--label", "rigA",
+              "--decode-source", "gauge")
+    run_bench(FakeServer(Script(ttft=0.02, itl=0.02)), b, "--label", "rigB")
+    run_a, run_b = load_run(a), load_run(b)
+    assert run_a["cells"][0]["decode_tok_s"] == run_a["cells"][0]["gauge"]["median"]  # its headline is the gauge
+
+    comparison = compare_runs([run_a, run_b])
+    cols = comparison.columns
+    assert "rigA own gauge" in cols and "rigB own gauge" not in cols
+    assert not any("gauge" in c and "/" in c and "rigB" in c for c in cols)  # no cross-rig gauge ratio
+    for row, cell_a, cell_b in zip(comparison.rows, run_a["cells"], run_b["cells"], strict=True):
+        assert row[cols.index("rigA tok/s")] == fmt_range(cell_a["stream"])
+        assert row[cols.index("rigB tok/s")] == fmt_range(cell_b["stream"])
+        want = cell_b["stream"]["median"] / cell_a["stream"]["median"]
+        assert row[cols.index("rigB/rigA tok/s")] == f"{want:.2f}x"
+        assert 0.8 < want < 1.25
+        ttft = cell_b["ttft"]["median"] / cell_a["ttft"]["median"]
+        assert row[cols.index("rigB/rigA TTFT")] == f"{ttft:.2f}x"
+
+    result = runner.invoke(app, ["bench", "compare", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    assert "rigA" in result.stdout and "rigB" in result.stdout and "never compared across rigs" in result.stdout
+    result = runner.invoke(app, ["bench", "compare", str(a), str(b), "--markdown", "--plot", str(tmp_path / "c.png")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("| input | output | load | rigA tok/s | rigB tok/s |")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_compare_warns_on_mixed_precision_and_rejects_foreign_files(tmp_path):
+    a = tmp_path / "a.json"
+    run_bench(FakeServer(Script(ttft=0.005, itl=0.002)), a, "--label", "x")
+    run = load_run(a)
+    other = json.loads(json.dumps(run))
+    other["label"] = "y"
+    other["server"]["precision_before"] = {"weights": "float32"}
+    assert any("different precision" in n for n in compare_runs([run, other]).notes)
+    assert "different precision" in to_markdown(compare_runs([run, other]))
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"completed": 3}))
+    result = runner.invoke(app, ["bench", "compare", str(a), str(foreign)])
+    assert result.exit_code != 0 and "not a gemmax bench result" in result.output

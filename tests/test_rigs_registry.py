@@ -1,0 +1,71 @@
+"""Rig registry and the vLLM command line (vLLM is not installable here: its command is the contract)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gemmax.cli import app
+from gemmax.rigs.registry import RIGS, RigOptions, get_rig
+from gemmax.rigs.vllm import VllmSettings, vllm_available, vllm_command
+
+runner = CliRunner()
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_vllm_command_carries_the_same_settings():
+    argv = vllm_command(VllmSettings(model="google/gemma-4-E2B-it", port=8123, dtype="bfloat16", max_model_len=4096,
+                                     max_num_seqs=4, served_model_name="gemma", api_key="k",
+                                     extra_args=("--enforce-eager",)))
+    assert argv[:3] == ["vllm", "serve", "google/gemma-4-E2B-it"]
+    assert flag(argv, "--port") == "8123" and flag(argv, "--host") == "127.0.0.1"
+    assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--max-model-len") == "4096"
+    assert flag(argv, "--max-num-seqs") == "4" and flag(argv, "--served-model-name") == "gemma"
+    assert flag(argv, "--api-key") == "k" and flag(argv, "--seed") == "0"
+    assert "--no-enable-prefix-caching" in argv and argv[-1] == "--enforce-eager"
+    with pytest.raises(ValueError, match="dtype"):
+        VllmSettings(model="m", dtype="int3")
+
+
+def test_rig_vllm_cli_dry_run_and_missing_vllm():
+    result = runner.invoke(app, ["rig", "vllm", "--model", "/models/g4", "--port", "8200", "--max-model-len", "2048",
+                                 "--max-num-seqs", "2", "--dry-run", "--enforce-eager"])
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.stdout.strip())
+    assert argv == vllm_command(VllmSettings(model="/models/g4", port=8200, max_model_len=2048, max_num_seqs=2,
+                                             extra_args=("--enforce-eager",)))
+    if vllm_available() is None:  # this machine: a clear refusal that shows the command
+        result = runner.invoke(app, ["rig", "vllm", "--model", "/models/g4"])
+        assert result.exit_code == 2 and "vllm serve /models/g4" in result.output
+
+
+def test_registry_lists_and_builds_every_rig():
+    assert set(RIGS) == {"gemmax", "transformers", "vllm"}
+    options = RigOptions(model="/ckpt", port=8300, dtype="float32", max_model_len=128, max_batch=2)
+    gemmax = get_rig("gemmax").command(options)
+    assert gemmax[:4] == [sys.executable, "-m", "gemmax.cli", "serve"]
+    assert flag(gemmax, "--max-model-len") == "128" and flag(gemmax, "--max-batch") == "2"
+    hf = get_rig("transformers").command(options)
+    assert hf[3:5] == ["rig", "transformers"] and flag(hf, "--dtype") == "float32" and flag(hf, "--port") == "8300"
+    vllm = get_rig("vllm").command(options)
+    assert flag(vllm, "--max-num-seqs") == "2" and flag(vllm, "--dtype") == "float32"
+    assert get_rig("transformers").available() is True
+    with pytest.raises(ValueError, match="unknown rig"):
+        get_rig("llamacpp")
+    if vllm_available() is None:
+        with pytest.raises(RuntimeError, match="vllm serve /ckpt"):
+            get_rig("vllm").start(options)
+
+
+def test_rig_list_cli():
+    result = runner.invoke(app, ["rig", "list", "--json"])
+    assert result.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert set(rows) == set(RIGS) and rows["vllm"]["available"] == (vllm_available() is not None)

@@ -1,0 +1,169 @@
+"""The server over the real BatchEngine and a tiny random Gemma 4 checkpoint (tests/tiny_checkpoint.py):
+greedy output equals `gemmax generate`, 16 concurrent streaming clients all get the reference answer,
+a disconnect frees its slot within a second, and `gemmax serve` goes 503 -> 200 and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from fake_engine import read_metric, running_server
+from tiny_checkpoint import write_tiny_checkpoint
+from typer.testing import CliRunner
+
+from gemmax.cli import app as cli
+from gemmax.engine.api import SamplingParams
+from gemmax.engine.engine import BatchEngine
+from gemmax.generate import generate
+from gemmax.runtime import load_model
+from gemmax.server.app import ServerSettings, create_app
+
+PROMPT = "Once upon a time there was a small server"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load_model(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, loaded):
+    engine = BatchEngine(loaded, max_model_len=1024, max_batch=4, buckets=(32, 128)).start()
+    settings = ServerSettings(served_model_name="tiny", model_root=str(checkpoint))
+    with running_server(create_app(engine, loaded.tokenizer, settings)) as url:
+        assert engine.wait_ready(300)
+        yield url, engine
+
+
+def reference(loaded, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """gemmax.generate: the single-request reference path behind `gemmax generate`."""
+    ckpt = loaded.checkpoint
+    return generate(ckpt.params, ckpt.config, ids, max_tokens, SamplingParams(), loaded.policy.precision())
+
+
+def test_greedy_equals_gemmax_generate(server, checkpoint, loaded):
+    url, _ = server
+    result = CliRunner().invoke(cli, ["generate", "--model", str(checkpoint), "--prompt", PROMPT,
+                                      "--max-tokens", str(MAX_TOKENS), "--json"])
+    assert result.exit_code == 0, result.output
+    expected = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(expected["token_ids"]) >= 4  # a real answer, not an immediate eos
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == expected["token_ids"]
+    assert r.choices[0].text == expected["text"]
+    assert r.usage.completion_tokens == len(expected["token_ids"])
+    assert r.usage.prompt_tokens == len(loaded.tokenizer.encode(PROMPT))
+    assert r.usage.model_extra["uncompiled_shape"] is False and r.usage.model_extra["prefill_bucket"] == 32
+
+    text, ids = "", []
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"return_token_ids": True}):
+        text += chunk.choices[0].text
+        ids += chunk.choices[0].model_extra["token_ids"]
+    assert ids == expected["token_ids"] and text == expected["text"]
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_ids = loaded.tokenizer.encode_chat(messages)
+    want = reference(loaded, chat_ids)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == chat_ids
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.choices[0].message.content == loaded.tokenizer.decode(want)
+
+
+async def test_sixteen_concurrent_streaming_clients(server, loaded):
+    url, _ = server
+    prompts = [[loaded.tokenizer.bos_token_id, *range(300 + 7 * i, 300 + 7 * i + 9)] for i in range(16)]
+    expected = [reference(loaded, p) for p in prompts]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    async def one(prompt):
+        ids, text, finish, usage = [], "", None, None
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra["token_ids"]
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            else:
+                usage = chunk.usage
+        return ids, text, finish, usage
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    await client.close()
+    for want, (ids, text, finish, usage) in zip(expected, results, strict=True):
+        assert ids == want and text == loaded.tokenizer.decode(want)
+        assert finish == ("length" if len(want) == MAX_TOKENS else "stop")
+        assert usage.completion_tokens == len(want)
+    assert max(u.model_extra["queue_seconds"] for *_, u in results) > 0  # 16 clients, 4 slots: some waited
+    assert read_metric(url, "gemmax:kv_slots_in_use") == 0
+
+
+def test_disconnect_frees_the_slot(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=1000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _chunk in enumerate(stream):
+        if i == 2:
+            break
+    assert read_metric(url, "gemmax:kv_slots_in_use") == 1
+    stream.close()
+    start = time.perf_counter()
+    while read_metric(url, "gemmax:kv_slots_in_use") != 0:
+        assert time.perf_counter() - start < 1.0, "slot still in use a second after the client left"
+        time.sleep(0.02)
+
+
+def test_gemmax_serve_health_and_sigterm(checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--model", str(checkpoint), "--port",
+                             str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        deadline = time.time() + 300
+        while not seen or seen[-1][0] != 200:
+            assert time.time() < deadline and proc.poll() is None, "gemmax serve did not become ready"
+            with contextlib.suppress(httpx.TransportError):
+                r = httpx.get(f"{url}/health", timeout=5)
+                seen.append((r.status_code, r.json()["status"]))
+            time.sleep(0.1)
+        assert seen[0][0] == 503 and seen[0][1] in ("loading", "warming")
+        health = httpx.get(f"{url}/health").json()
+        assert health["policy"]["platform"] == "cpu" and health["precision"]["weights"] == "bfloat16"
+        assert health["weight_bytes"] > 0 and health["max_model_len"] == 64 and health["slots"]["total"] == 2
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    assert "gemmax device policy" in output
