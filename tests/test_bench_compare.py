@@ -83,8 +83,9 @@ def test_compare_warns_on_mixed_precision_and_rejects_foreign_files(tmp_path):
     other = json.loads(json.dumps(run))
     other["label"] = "y"
     other["server"]["precision_before"] = {"weights": "float32"}
-    assert any("different precision" in n for n in compare_runs([run, other]).notes)
-    assert "different precision" in to_markdown(compare_runs([run, other]))
+    assert not any("WARNING" in n for n in compare_runs([run, json.loads(json.dumps(run))]).notes)
+    assert any("mixes precisions" in n for n in compare_runs([run, other]).notes)
+    assert "mixes precisions" in to_markdown(compare_runs([run, other]))
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps({"completed": 3}))
     result = runner.invoke(app, ["bench", "compare", str(a), str(foreign)])

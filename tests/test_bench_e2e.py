@@ -77,7 +77,15 @@ def test_sweep_gemmax_and_transformers_then_compare(rigs, tmp_path):
             assert cell["input_len_verified"] is True and cell["output_len_verified"] is True
             assert cell["stream"]["median"] > 0 and cell["median_ttft_ms"] > 0
         outputs[name] = out
-    result = runner.invoke(app, ["bench", "compare", str(outputs["gemmax"]), str(outputs["transformers"])])
+    files = [str(outputs["gemmax"]), str(outputs["transformers"])]
+    result = runner.invoke(app, ["bench", "compare", *files])
     assert result.exit_code == 0, result.output
-    assert "gemmax tok/s" in result.stdout and "transformers tok/s" in result.stdout
-    assert "transformers/gemmax tok/s" in result.stdout
+    assert "gemmax" in result.stdout and "transformers" in result.stdout
+    result = runner.invoke(app, ["bench", "compare", *files, "--markdown"])
+    assert result.exit_code == 0, result.output
+    header, _, *rows = result.stdout.splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert {"gemmax tok/s", "transformers tok/s", "transformers/gemmax tok/s"} <= set(columns)
+    ratio = columns.index("transformers/gemmax tok/s")
+    assert all(row.split("|")[ratio + 1].strip().endswith("x") for row in rows[:2])
+    assert "mixes precisions" not in result.stdout, result.stdout  # both serve float32 weights and KV

@@ -145,6 +145,31 @@ def serve(
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 
 
+cache_app = typer.Typer(help="Move JAX's persistent compilation cache between machines (tarball, path or fsspec URL).",
+                        no_args_is_help=True)
+
+
+@cache_app.command("export")
+def cache_export(dest: str = typer.Argument(..., help="FILE.tar.gz or URL (s3://... with fsspec)"),
+                 cache_dir: str = typer.Option(None, help="default: the user cache dir")) -> None:
+    """Pack the compilation cache into DEST."""
+    from gemmax.engine.compile_cache import export_cache
+
+    typer.echo(f"wrote {export_cache(dest, cache_dir)} bytes to {dest}")
+
+
+@cache_app.command("import")
+def cache_import(src: str = typer.Argument(..., help="FILE.tar.gz or URL made by `gemmax cache export`"),
+                 cache_dir: str = typer.Option(None, help="default: the user cache dir")) -> None:
+    """Unpack SRC into the compilation cache."""
+    from gemmax.engine.compile_cache import import_cache
+
+    typer.echo(f"restored {import_cache(src, cache_dir)} files from {src}")
+
+
+app.add_typer(cache_app, name="cache")
+
+
 # Benchmark harness and reference rigs (typer sub-apps; their heavy imports happen inside commands).
 from gemmax.bench.cli import bench_app  # noqa: E402
 from gemmax.rigs.cli import rig_app  # noqa: E402

@@ -143,7 +143,9 @@ def _as_id_list(value: Any) -> list[int]:
 def _refuse(hf: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
     """Refuse fields that change the math but are not implemented: {field: value that is supported}."""
     for field, supported in checks.items():
-        value = hf.get(field, supported)
+        if field not in hf:
+            continue
+        value = hf[field]
         ok = supported(value) if callable(supported) else value == supported
         if not ok:
             raise ConfigError(f"unsupported config: {field}={value!r} changes the model and gemmax does not implement it")

@@ -16,6 +16,9 @@ from rich.table import Table
 from gemmax.bench.report import fmt, fmt_range, load_level
 
 
+PRECISION_KEYS = ("weights", "activations", "kv_cache")
+
+
 @dataclasses.dataclass
 class Comparison:
     columns: list[str]
@@ -88,9 +91,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
                      f"output forced {run['forced_output']}, precision {server['precision_before']}, "
                      f"degenerate responses {server['degenerate_responses_before']} -> "
                      f"{server['degenerate_responses_after']}")
-    precisions = {repr(r["server"]["precision_before"]) for r in runs}
-    if len(precisions) > 1:
-        notes.append("WARNING: the rigs report different precision blocks; the comparison mixes dtypes.")
+    dtypes = {tuple((r["server"]["precision_before"] or {}).get(k) for k in PRECISION_KEYS) for r in runs}
+    if len(dtypes) > 1:
+        notes.append(f"WARNING: the rigs report different {'/'.join(PRECISION_KEYS)} dtypes; "
+                     "the comparison mixes precisions.")
     unheld = [label for label, run in zip(labels, runs, strict=True)
               if any(c.get("output_len_verified") is False for c in run["cells"])]
     if unheld:

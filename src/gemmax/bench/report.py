@@ -68,9 +68,9 @@ def print_run(result: dict[str, Any], console: Console | None = None) -> None:
     console.print(run_table(result))
     server = result["server"]
     console.print(f"precision before: {server['precision_before']}  after: {server['precision_after']}")
-    if server["degenerate_responses_before"] is not None:
-        console.print(f"degenerate responses: {server['degenerate_responses_before']:g} -> "
-                      f"{server['degenerate_responses_after']:g}")
+    if server["degenerate_responses_before"] is not None or server["degenerate_responses_after"] is not None:
+        console.print(f"degenerate responses: {server['degenerate_responses_before']} -> "
+                      f"{server['degenerate_responses_after']}")
     if not result["forced_output"]:
         console.print("note: the server refused ignore_eos/min_tokens; output lengths are as generated")
 
