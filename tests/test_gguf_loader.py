@@ -152,18 +152,23 @@ def test_float32_gguf_loads_to_the_safetensors_params(hf_checkpoints, tmp_path, 
     assert loaded.directory is None and loaded.tokenizer is not None
 
 
-def test_q8_0_gguf_dequantises_within_its_error_and_keeps_the_logits(hf_checkpoints, tmp_path):
+# Worst-case error of one stored weight, relative to the largest |w| of its matrix.
+STORAGE = {"Q8_0": 1 / 127, "BF16": 2**-8, "F16": 2**-11}
+
+
+@pytest.mark.parametrize("qtype", sorted(STORAGE))
+def test_quantised_gguf_dequantises_within_its_error_and_keeps_the_logits(hf_checkpoints, tmp_path, qtype):
     directory, _ = hf_checkpoints["g3_small"]
     original = load_checkpoint(directory, weight_dtype=jnp.float32)
-    loaded = load_gguf(write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0),
+    loaded = load_gguf(write_gguf(directory, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype]),
                        weight_dtype=jnp.float32)
     want, got = _leaves(original.params), _leaves(loaded.params)
     for key in want:
-        bound = np.abs(want[key]).max() / 127 if want[key].ndim == 2 else 1e-6  # Q8_0: 8-bit per 32-block
+        bound = np.abs(want[key]).max() * STORAGE[qtype] if want[key].ndim == 2 else 1e-6  # norms stay F32
         err = np.abs(got[key] - want[key]).max()
         assert err <= bound, f"{key}: {err:.2e} > {bound:.2e}"
         if want[key].ndim == 2:
-            assert err > 0, f"{key} was not quantised: the test would prove nothing"
+            assert err > 0, f"{key} was not stored as {qtype}: the test would prove nothing"
     ids = jnp.asarray([[2, 17, 33, 5, 61, 8, 40, 9, 11]], jnp.int32)
     logits = [np.asarray(forward(ck.params, init_cache(ck.config, 1, 16), ids, jnp.array([0]), jnp.array([9]),
                                  config=ck.config)[0]) for ck in (original, loaded)]

@@ -16,16 +16,16 @@ import time
 import httpx
 import openai
 import pytest
-from fake_engine import read_metric, running_server
-from tiny_checkpoint import write_tiny_checkpoint
 from typer.testing import CliRunner
 
+from fake_engine import read_metric, running_server
 from gemmax.cli import app as cli
 from gemmax.engine.api import SamplingParams
 from gemmax.engine.engine import BatchEngine
 from gemmax.generate import generate
 from gemmax.runtime import load_model
 from gemmax.server.app import ServerSettings, create_app
+from tiny_checkpoint import write_tiny_checkpoint
 
 PROMPT = "Once upon a time there was a small server"
 MAX_TOKENS = 16
@@ -90,6 +90,36 @@ def test_greedy_equals_gemmax_generate(server, checkpoint, loaded):
     assert r.model_extra["prompt_token_ids"] == chat_ids
     assert r.choices[0].model_extra["token_ids"] == want
     assert r.choices[0].message.content == loaded.tokenizer.decode(want)
+
+
+def test_n_seeds_and_stop_strings(server, loaded):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    sampled = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"return_token_ids": True})
+    r = client.completions.create(**sampled, n=3, seed=7)
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert len({tuple(i) for i in ids}) == 3  # three different samples
+    for j in range(3):  # choice j is the request with seed 7 + j, alone in its own call
+        alone = client.completions.create(**sampled, seed=7 + j)
+        assert alone.choices[0].model_extra["token_ids"] == ids[j]
+    assert r.usage.completion_tokens == sum(len(i) for i in ids)
+
+    greedy = reference(loaded, loaded.tokenizer.encode(PROMPT))
+    full = loaded.tokenizer.decode(greedy)
+    stop = loaded.tokenizer.decode(greedy[4:6])
+    assert stop and stop in full
+    expected = full[: full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=MAX_TOKENS, temperature=0, n=2,
+        stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    want = loaded.tokenizer.decode(reference(loaded, loaded.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])))
+    assert texts == {0: want, 1: want} and chunks[-1].usage.completion_tokens > 0
 
 
 async def test_sixteen_concurrent_streaming_clients(server, loaded):

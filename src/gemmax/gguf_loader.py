@@ -107,10 +107,11 @@ class _Metadata:
         self.float32 = GGUFValueType.FLOAT32
         self.fields = reader.fields
         self.path = path
+        self.arch = ""
         self.arch = self.get("general.architecture")
 
     def get(self, key: str, default: Any = ...) -> Any:
-        key = key.format(arch=getattr(self, "arch", ""))
+        key = key.format(arch=self.arch)
         field = self.fields.get(key)
         if field is None:
             if default is ...:
@@ -142,6 +143,8 @@ def open_gguf(path: Path) -> GGUFContents:
             f"{path}: GGUF architecture {meta.arch!r} is not supported: gemmax loads {sorted(ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path}: no token_embd.weight tensor")
     if "output.weight" in tensors:
         raise GGUFError(f"{path}: has an untied output.weight; Gemma ties the LM head to token_embd")
     tokenizer, tokenizer_files = tokenizer_from_gguf(meta)

@@ -87,8 +87,26 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.f
             entries.append(None)
             continue
         shape = (batch, cache_slots(spec, max_len), spec.num_kv_heads, spec.head_dim)
-        entries.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+        entry = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        if jnp.dtype(dtype) == jnp.int8:  # per-position, per-head scales [B, S, nkv]
+            entry |= {"k_scale": jnp.zeros(shape[:3], jnp.float32), "v_scale": jnp.zeros(shape[:3], jnp.float32)}
+        entries.append(entry)
     return tuple(entries)
+
+
+def _quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per vector of the last dim: x [..., d] -> (q int8 [..., d], scale f32 [...])."""
+    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / 127.0
+    q = jnp.round(x.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def _read_cache(entry: dict[str, jax.Array], name: str, dtype: Any) -> jax.Array:
+    """Cached K or V [B, S, nkv, hd] in the activation dtype (dequantised for an int8 cache)."""
+    values = entry[name]
+    if f"{name}_scale" in entry:
+        return (values.astype(jnp.float32) * entry[f"{name}_scale"][..., None]).astype(dtype)
+    return values.astype(dtype)
 
 
 def cache_slots(spec: LayerSpec, max_len: int) -> int:
@@ -150,11 +168,12 @@ def _write_cache(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, batch:
         slot = batch.new_pos
     slot = jnp.where(keep, slot, slots)  # out of range -> dropped
     rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slot.shape)
-    dtype = entry["k"].dtype
-    return {
-        "k": entry["k"].at[rows, slot].set(k.astype(dtype), mode="drop"),
-        "v": entry["v"].at[rows, slot].set(v.astype(dtype), mode="drop"),
-    }
+    new = {"k": k, "v": v}
+    if "k_scale" in entry:
+        for name in ("k", "v"):
+            new[name], new[f"{name}_scale"] = _quantize_int8(new[name])
+    return {name: entry[name].at[rows, slot].set(value.astype(entry[name].dtype), mode="drop")
+            for name, value in new.items()}
 
 
 def _attention(
@@ -182,8 +201,8 @@ def _attention(
         if config.use_v_norm:
             v = rms_norm(v, None, config.rms_norm_eps)
         cached_pos, cached_valid = _cached_key_positions(batch.start, cache_entry["k"].shape[1])
-        keys = jnp.concatenate([cache_entry["k"].astype(k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
-        values = jnp.concatenate([cache_entry["v"].astype(v.dtype), v], axis=1)
+        keys = jnp.concatenate([_read_cache(cache_entry, "k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
+        values = jnp.concatenate([_read_cache(cache_entry, "v", v.dtype), v], axis=1)
         key_pos = jnp.concatenate([cached_pos, batch.new_pos], axis=1)
         key_valid = jnp.concatenate([cached_valid, batch.new_valid], axis=1)
         shared[layer_index] = (keys, values, key_pos, key_valid)

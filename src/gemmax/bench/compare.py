@@ -15,7 +15,6 @@ from rich.table import Table
 
 from gemmax.bench.report import fmt, fmt_range, load_level
 
-
 PRECISION_KEYS = ("weights", "activations", "kv_cache")
 
 

@@ -79,7 +79,7 @@ def _put_rows(tree, rows, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def _prefill(params, cache, state, tokens, slot, start, num_new, want_logprobs, *, config, precision):
+def prefill_step(params, cache, state, tokens, slot, start, num_new, want_logprobs, *, config, precision):
     """Prefill one chunk [1, bucket] of slot `slot`; sample that row's next token from its last real one."""
     row_cache = _rows(cache, slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
@@ -90,7 +90,7 @@ def _prefill(params, cache, state, tokens, slot, start, num_new, want_logprobs, 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
+def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
     """One decode step for every slot. Rows with remaining == 0 are idle: they write nothing and keep
     their token, position and sampling state."""
     active = remaining > 0
@@ -290,17 +290,17 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------------ device calls
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, want_logprobs: bool):
-        before = _prefill._cache_size()
-        self.cache, self.state, out = _prefill(
+        before = prefill_step._cache_size()
+        self.cache, self.state, out = prefill_step(
             self.params, self.cache, self.state, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start),
             jnp.int32(num_new), jnp.bool_(want_logprobs), config=self.config, precision=self.precision)
-        return out, _prefill._cache_size() != before
+        return out, prefill_step._cache_size() != before
 
     def _dispatch_decode(self, steps: int):
         outputs = []
         want = jnp.asarray(self.want_logprobs)
         for _ in range(steps):  # enqueued back to back; nothing waits for the host in between
-            self.cache, self.state, self.tokens, self.positions, self.remaining, out = _decode(
+            self.cache, self.state, self.tokens, self.positions, self.remaining, out = decode_step(
                 self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want,
                 config=self.config, precision=self.precision)
             outputs.append(out)

@@ -35,7 +35,7 @@ _BLOCK_ALIGN = 64
 
 
 def column_blocks(n_in: int, max_in: int = GEMV_MAX_IN) -> tuple[int, ...]:
-    """Widths of the fewest near-equal column blocks of `n_in` inputs with each <= max_in.
+    """Widths of near-equal, 64-aligned column blocks of `n_in` inputs, each <= max_in, as few as alignment allows.
 
     6144 -> (3072, 3072); 12288 -> (3072,) * 4; 4096 -> (2048, 2048); 8960 -> (3008, 3008, 2944).
     """

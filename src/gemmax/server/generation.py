@@ -75,8 +75,9 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_promp
         kwargs["tools"] = tools
     try:
         text = tokenizer.render_chat(plain, add_generation_prompt=add_generation_prompt, **kwargs)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise bad_request(f"chat template: {exc}", "messages", "invalid_chat") from exc
+    except Exception as exc:  # the rendering depends only on the request: a template failure is a 400
+        detail = str(exc) if isinstance(exc, ValueError | jinja2.TemplateError) else f"{type(exc).__name__}: {exc}"
+        raise bad_request(f"chat template: {detail}", "messages", "invalid_chat") from exc
     if continue_final_message:
         # Cut the rendering right after the final assistant message's content (vLLM's rule).
         last = plain[-1].get("content") or ""

@@ -1,0 +1,160 @@
+"""The CPU fast path: column-split weights compute the same function, and the compiled decode step of
+an E2B-shaped model reads every weight matrix (tied LM head and attention projections included)
+through XLA:CPU's fused matrix-vector dot. A jax/XLA upgrade that loses the fusion fails here."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemmax.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
+from gemmax.engine.fastpath import (
+    COPY,
+    GATHER,
+    GEMM,
+    GEMV,
+    check_decode_hlo,
+    column_blocks,
+    decode_weight_reads,
+    prepare_params,
+    split_columns,
+)
+from gemmax.engine.policy import choose_policy
+from gemmax.linear import GEMV_MAX_IN, linear, lookup
+from gemmax.model import Precision, forward, init_cache
+from gemmax.params import abstract_params, random_params
+
+CPU = choose_policy("cpu", "test", None, 1, cpu_gemv_fusion=True)
+GPU = choose_policy("gpu", "NVIDIA L4", "8.9", 1)
+SIX_LAYERS = {  # E2B shapes (hidden 1536, FFN 6144 / 12288 double-wide, vocab 262144, PLE 256), 6 layers
+    **E2B_TEXT_CONFIG, "use_bidirectional_attention": None, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+    "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
+}
+
+
+def test_column_blocks():
+    assert column_blocks(4095) == (4095,)
+    assert column_blocks(4096) == (2048, 2048)
+    assert column_blocks(6144) == (3072, 3072)
+    assert column_blocks(12288) == (3072,) * 4
+    assert column_blocks(8960) == (3008, 3008, 2944)
+    for n in (5000, 8191, 20000, 262144):
+        widths = column_blocks(n)
+        assert sum(widths) == n and max(widths) <= GEMV_MAX_IN and len(widths) <= -(-n // GEMV_MAX_IN) + 1
+
+
+def _compiled_reads(n_in: int, rows: int = 1, split: bool = False) -> tuple[str, ...]:
+    w = jax.ShapeDtypeStruct((384, n_in), jnp.bfloat16)
+    if split:
+        w = tuple(jax.ShapeDtypeStruct((384, k), jnp.bfloat16) for k in column_blocks(n_in))
+    x = jax.ShapeDtypeStruct((rows, 1, n_in), jnp.float32)
+    reads = decode_weight_reads(jax.jit(linear).lower(x, w).compile().as_text())
+    return tuple(sorted(k for kinds in reads.values() for k in kinds))
+
+
+def test_gemv_fusion_limit_is_where_we_split():
+    """The fused matrix-vector dot takes vectors up to 4095 floats; at 4096 XLA copies the weight to f32."""
+    assert _compiled_reads(GEMV_MAX_IN) == (GEMV,)
+    assert _compiled_reads(GEMV_MAX_IN + 1) == (COPY,)
+    assert _compiled_reads(6144, split=True) == (GEMV, GEMV)
+    assert _compiled_reads(6144, rows=8, split=True) == (GEMM, GEMM)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_linear_matches_whole(rows):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((96, 300)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, 1, 300)), jnp.float32)
+    whole = jax.jit(linear)(x, w)
+    blocks = split_columns(w, column_blocks(300, 128))
+    assert [b.shape[1] for b in blocks] == [128, 128, 44]
+    split = jax.jit(linear)(x, blocks)
+    assert split.shape == whole.shape == (rows, 1, 96) and split.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    # bf16 inputs (x is rounded to the weight dtype), exact products, float32 sums.
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64).reshape(rows, 300) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(split).reshape(rows, 96), exact, rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray([[3, 0, 95]])
+    np.testing.assert_array_equal(np.asarray(lookup(blocks, ids, jnp.float32)), np.asarray(lookup(w, ids, jnp.float32)))
+
+
+def test_prepare_params_keeps_the_model_function():
+    """A tiny E2B-like model with every matrix split (max_in=24) gives the same logits and cache."""
+    config = ModelConfig.from_hf_config({
+        **SIX_LAYERS, "vocab_size": 128, "vocab_size_per_layer_input": 128, "hidden_size": 48,
+        "intermediate_size": 64, "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32,
+        "sliding_window": 8, "hidden_size_per_layer_input": 8,
+    })
+    params = random_params(config, seed=1, weight_dtype=jnp.bfloat16)
+    split = prepare_params(params, config, CPU, max_in=24)
+    assert isinstance(split["layers"][0]["q"], tuple) and isinstance(split["layers"][5]["down"], tuple)
+    assert prepare_params(params, config, GPU) is params
+    assert jax.tree.structure(prepare_params(split, config, CPU, max_in=24)) == jax.tree.structure(split)
+    step = jax.jit(functools.partial(forward, config=config, precision=Precision()))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (3, 12)), jnp.int32)
+    num = jnp.asarray([12, 7, 1], jnp.int32)
+    for p in (params, split):
+        cache = init_cache(config, 3, 32)
+        logits, cache = step(p, cache, tokens, jnp.zeros(3, jnp.int32), num)  # prefill
+        decoded, _ = step(p, cache, tokens[:, :1], num, jnp.ones(3, jnp.int32))  # one decode step
+        if p is params:
+            reference = (logits, decoded)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(reference[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(reference[1]), rtol=1e-4, atol=1e-4)
+
+
+def _decode_hlo(params, config: ModelConfig, batch: int) -> str:
+    precision = Precision(jnp.float32, jnp.float32)
+
+    def step(params, cache, tokens, start):
+        logits, cache = forward(params, cache, tokens, start, jnp.ones_like(start), config=config, precision=precision)
+        return jnp.argmax(logits, -1), cache
+
+    cache = jax.eval_shape(lambda: init_cache(config, batch, 1024, jnp.float32))
+    ints = (jax.ShapeDtypeStruct((batch, 1), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return jax.jit(step, donate_argnums=(1,)).lower(params, cache, *ints).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def six_layers():
+    config = ModelConfig.from_hf_config(SIX_LAYERS)
+    plain = abstract_params(config, jnp.bfloat16)
+    return config, plain, jax.eval_shape(lambda p: prepare_params(p, config, CPU), plain)
+
+
+def test_decode_step_reads_every_matrix_through_the_fused_dot(six_layers):
+    config, _, params = six_layers
+    reads = decode_weight_reads(_decode_hlo(params, config, 1))
+    # The tied LM head (262144 x 1536) is one fused dot; its rows are also gathered for the embedding.
+    assert reads["params['embed']"] == (GATHER, GEMV)
+    assert reads["params['ple_embed']"] == (GATHER,)
+    layer0 = {k: v for k, v in reads.items() if k.startswith("params['layers'][0]")}
+    assert set(layer0) == {f"params['layers'][0]['{n}']" for n in ("q", "k", "v", "o", "gate", "up", "ple_gate", "ple_proj")} | {
+        "params['layers'][0]['down'][0]", "params['layers'][0]['down'][1]"}
+    full_o = [k for k in reads if k.startswith("params['layers'][3]['o']")]
+    assert len(full_o) == 2  # 8 heads x 512 = 4096 inputs: split
+    wide = [k for k in reads if k.startswith("params['layers'][5]['down']")]
+    assert len(wide) == 4  # double-wide MLP of a KV-sharing layer: 12288 inputs
+    matrices = {k: v for k, v in reads.items() if k not in ("params['embed']", "params['ple_embed']")}
+    assert len(matrices) == 63 and all(kinds == (GEMV,) for kinds in matrices.values())
+    assert check_decode_hlo(_decode_hlo(params, config, 1), 1) == []
+
+
+def test_decode_check_catches_the_slow_path(six_layers):
+    """Unsplit down projections (6144 inputs) fall off the fusion: the check names them."""
+    config, plain, _ = six_layers
+    problems = check_decode_hlo(_decode_hlo(plain, config, 1), 1)
+    assert any("['down']" in p for p in problems) and any("['layers'][3]['o']" in p for p in problems)
+    assert not any("['q']" in p or "['embed']" in p for p in problems)
+
+
+def test_batched_decode_reads_no_weight_copies(six_layers):
+    config, _, params = six_layers
+    hlo = _decode_hlo(params, config, 8)
+    reads = decode_weight_reads(hlo)
+    assert check_decode_hlo(hlo, 8) == []
+    assert all(GEMM in kinds for name, kinds in reads.items() if name != "params['ple_embed']")
