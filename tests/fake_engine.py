@@ -11,7 +11,8 @@ queue, cancellation, timings, drain on shutdown) but "generates" by rule instead
 - an eos / stop id before `min_tokens` is skipped (the next id of the cycle comes instead);
 - logprobs: the chosen id gets -0.25, the k top entries are (id, -0.25), (id + 1, -1.25), ...;
 - degeneracy: flagged when the last 8 ids are one id repeated;
-- `fault_token` in a prompt: the request ends with finish_reason "error"; `crash_token`: submit raises.
+- `fault_token` in a prompt: the request ends with finish_reason "error"; `crash_token`: submit raises;
+  `warmup_error`: warm-up fails and `error` is set (as BatchEngine reports it).
 
 Run as a script it serves a fake engine through `gemmax.server.serve.serve` (the same path as
 `gemmax serve`), for the SIGTERM test.
@@ -62,7 +63,7 @@ class _Run:
 class FakeEngine:
     def __init__(self, *, special_ids=frozenset(), eos_token_ids=(1,), vocab_size=512, max_model_len=128,
                  max_batch=4, warmup_seconds=0.0, token_delay=0.0, prefill_delay=0.0, fault_token=None,
-                 crash_token=None, weight_bytes=123_456):
+                 crash_token=None, weight_bytes=123_456, warmup_error=None):
         self.special_ids = frozenset(special_ids) | frozenset(eos_token_ids)
         self._eos = tuple(eos_token_ids)
         self._max_model_len, self.max_batch = max_model_len, max_batch
@@ -70,6 +71,8 @@ class FakeEngine:
         self.warmup_seconds, self.token_delay, self.prefill_delay = warmup_seconds, token_delay, prefill_delay
         self.fault_token, self.crash_token = fault_token, crash_token
         self.weight_bytes = weight_bytes
+        self.warmup_error = warmup_error
+        self.error: BaseException | None = None  # a failed warm-up, reported like BatchEngine does
         self.submitted: list[GenerationRequest] = []  # every request the server sent, for the tests
         self._cond = threading.Condition()
         self._waiting: deque[_Run] = deque()
@@ -153,6 +156,10 @@ class FakeEngine:
 
     def _loop(self) -> None:
         time.sleep(self.warmup_seconds)
+        if self.warmup_error is not None:
+            self.error = RuntimeError(self.warmup_error)
+            self._ready = True  # as BatchEngine: ready is set, `error` says it failed
+            return
         self._ready = True
         while True:
             with self._cond:

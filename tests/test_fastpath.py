@@ -83,17 +83,17 @@ def test_split_linear_matches_whole(rows):
 
 
 def test_prepare_params_keeps_the_model_function():
-    """A tiny E2B-like model with every matrix split (max_in=24) gives the same logits and cache."""
+    """A tiny E2B-like model with every matrix split (max_in=40) gives the same logits and cache."""
     config = ModelConfig.from_hf_config({
         **SIX_LAYERS, "vocab_size": 128, "vocab_size_per_layer_input": 128, "hidden_size": 48,
         "intermediate_size": 64, "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32,
         "sliding_window": 8, "hidden_size_per_layer_input": 8,
     })
     params = random_params(config, seed=1, weight_dtype=jnp.bfloat16)
-    split = prepare_params(params, config, CPU, max_in=24)
+    split = prepare_params(params, config, CPU, max_in=40)
     assert isinstance(split["layers"][0]["q"], tuple) and isinstance(split["layers"][5]["down"], tuple)
     assert prepare_params(params, config, GPU) is params
-    assert jax.tree.structure(prepare_params(split, config, CPU, max_in=24)) == jax.tree.structure(split)
+    assert jax.tree.structure(prepare_params(split, config, CPU, max_in=40)) == jax.tree.structure(split)
     step = jax.jit(functools.partial(forward, config=config, precision=Precision()))
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (3, 12)), jnp.int32)
     num = jnp.asarray([12, 7, 1], jnp.int32)

@@ -207,6 +207,15 @@ def test_not_ready_is_503_then_health_turns_200(tokenizer):
         assert_serving(url)
 
 
+def test_failed_warm_up_is_503_failed(tokenizer):
+    with fake_server(tokenizer, warmup_error="XLA ran out of memory compiling prefill[2048]") as (url, _, _):
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "failed" and "out of memory" in health.json()["error"]
+        err = assert_error(post(url, "/v1/chat/completions", {"messages": MESSAGES}), 503, "not_ready")
+        assert "failed" in err["message"] and "out of memory" in err["message"]
+
+
 def test_degenerate_output_is_flagged_counted_and_logged(server, caplog):
     url = server[0]
     before = read_metric(url, "gemmax:degenerate_responses_total")

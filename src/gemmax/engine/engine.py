@@ -43,6 +43,7 @@ from gemmax.engine.api import (
     TokenEvent,
 )
 from gemmax.engine.degeneracy import check_degeneracy
+from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.sampling import SamplingState, row_values, sample
 from gemmax.model import Precision, forward, init_cache
 
@@ -137,11 +138,17 @@ class BatchEngine:
                  compile_cache_dir: str | None = None):
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
-        self.params = loaded.checkpoint.params
-        self.precision: Precision = loaded.policy.precision()
+        policy = loaded.policy
+        self.precision: Precision = policy.precision()
         self._max_model_len = max_model_len
         self.max_batch = max_batch
         self.buckets = prefill_buckets(max_model_len, buckets)
+        # Refuse at start-up, with the arithmetic, a deployment that cannot fit the device.
+        self.memory_plan = check_fit(plan_memory(
+            self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
+            kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
+            prefill_tokens=self.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
+        self.params = loaded.checkpoint.params
         self.steps_per_dispatch = steps_per_dispatch
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
@@ -170,7 +177,7 @@ class BatchEngine:
 
     @property
     def info(self) -> dict[str, Any]:
-        policy = self.loaded.policy
+        policy = self.loaded.policy.observed(self.params, getattr(self, "cache", None))
         return {
             "model": self.loaded.name,
             "family": self.config.family,
@@ -180,6 +187,7 @@ class BatchEngine:
                 "compute_dtype": policy.compute_dtype, "pre_ampere": policy.pre_ampere,
             },
             "weight_bytes": self.loaded.checkpoint.weight_bytes,
+            "memory_plan": self.memory_plan.as_dict(),
             "max_model_len": self.max_model_len,
             "max_batch": self.max_batch,
             "prefill_buckets": list(self.buckets),

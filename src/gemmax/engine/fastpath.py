@@ -108,29 +108,27 @@ class _Instr:
     root: bool
 
 
+def _closing(text: str, depth: int = 0) -> int:
+    """Index of the parenthesis that brings `depth` (open parentheses before text[0]) back to zero."""
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return i
+    return len(text)
+
+
 def _parse_instr(line: str) -> _Instr | None:
     match = _INSTR.match(line)
     if not match:
         return None
     rest = match.group("rest")
     if rest.startswith("("):  # tuple shape: up to the matching parenthesis
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                break
-        shape, rest = rest[: i + 1], rest[i + 2 :]
+        end = _closing(rest)
+        shape, rest = rest[: end + 1], rest[end + 2 :]
     else:
         shape, _, rest = rest.partition(" ")
     op, _, rest = rest.partition("(")
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            end = i
-            break
+    end = _closing(rest, depth=1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
     return _Instr(match.group("name"), shape, op, operands, rest[end + 1 :], line.lstrip().startswith("ROOT"))
 
@@ -176,7 +174,7 @@ def _classify(user: _Instr, comps: Mapping[str, list[_Instr]]) -> str:
     return COPY
 
 
-def decode_weight_reads(hlo_text: str, min_rank: int = 2) -> dict[str, tuple[str, ...]]:
+def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
     """{argument path (e.g. "params['layers'][0]['down'][1]"): how each reader of it reads it}, for every
     entry parameter of rank 2 (weight matrices, their column blocks, embedding tables).
 
@@ -194,7 +192,7 @@ def decode_weight_reads(hlo_text: str, min_rank: int = 2) -> dict[str, tuple[str
         if instr.op != "parameter":
             continue
         dims = re.match(r"(\w+)\[([\d,]*)\]", instr.shape)
-        if dims is None or dims.group(1) in _INDEX_TYPES or len([d for d in dims.group(2).split(",") if d]) != min_rank:
+        if dims is None or dims.group(1) in _INDEX_TYPES or len([d for d in dims.group(2).split(",") if d]) != 2:
             continue
         label = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs)
         key = label.group(1).replace("\\'", "'") if label else instr.name

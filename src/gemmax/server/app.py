@@ -111,12 +111,20 @@ class ServerState:
         self.load_error = message
 
     @property
+    def engine_error(self) -> str | None:
+        """Load failure, or a warm-up failure the engine reports in an `error` attribute (BatchEngine)."""
+        if self.load_error is not None:
+            return self.load_error
+        error = getattr(self.engine, "error", None)
+        return f"{type(error).__name__}: {error}" if error is not None else None
+
+    @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.ready
+        return self.engine is not None and self.engine.ready and self.engine_error is None
 
     @property
     def status(self) -> str:
-        if self.load_error is not None:
+        if self.engine_error is not None:
             return "failed"
         if self.engine is None:
             return "loading"
@@ -138,7 +146,7 @@ class ServerState:
 
     def require_ready(self):
         if not self.ready:
-            detail = f" ({self.load_error})" if self.load_error else ""
+            detail = f" ({self.engine_error})" if self.engine_error else ""
             raise ApiError(503, f"the model is {self.status}{detail}: retry when GET /health returns 200",
                            "service_unavailable", "not_ready")
         return self.engine
@@ -187,8 +195,8 @@ class ServerState:
         payload: dict[str, Any] = dict(self.engine.info) if self.engine is not None else {}
         payload.update(status=self.status, model=self.settings.served_model_name, root=self.settings.model_root,
                        **build_info())
-        if self.load_error is not None:
-            payload["error"] = self.load_error
+        if self.engine_error is not None:
+            payload["error"] = self.engine_error
         if self.engine is not None:
             stats = self.engine.stats()
             payload.update(max_model_len=self.engine.max_model_len,
