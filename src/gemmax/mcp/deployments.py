@@ -43,7 +43,7 @@ import platformdirs
 import psutil
 from pydantic import BaseModel, Field
 
-from gemmax.rigs.registry import RIGS, RigOptions, get_rig, wait_healthy
+from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
 State = Literal["ready", "loading", "unreachable", "dead"]
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -317,6 +317,3 @@ class Deployments:
         record = self.get(name)
         return record, _tail(record.log, tail)
 
-
-def list_rigs() -> list[dict[str, Any]]:
-    return [{"name": r.name, "available": r.available(), "description": r.description} for r in RIGS.values()]

@@ -1,0 +1,9 @@
+"""MCP tools for operators: start, inspect and stop deployments, check the device, plan memory, query
+a model, run and compare benchmark sweeps, move the compile cache (docs/mcp.md).
+
+server       the MCPServer and its tools (`gemmax mcp`), thin wrappers over the CLI's own code
+deployments  rig processes started in the background, remembered in an on-disk registry
+device       the device policy plus real matrix products checked against numpy
+
+Imports of the SDK are absolute (`mcp.server.mcpserver`), so this package never shadows it.
+"""

@@ -1,0 +1,249 @@
+"""What each compiled op of a step does, read from the optimized HLO module that ran.
+
+The profiler times ops by the name of their HLO instruction (the `hlo_op` stat of each trace event);
+this module says what each such instruction is, from its opcode and the opcodes fused into it, never
+from a kernel's name.
+
+An op's *body* is the instruction itself, or for a fusion every instruction of its fused computation
+(nested fusions included, reduction regions not: they are scalar combiners). Rules, first match wins:
+
+1. `matmul_fp32` / `matmul_lowp`: the body holds a `dot` or `convolution` (or the op is a GEMM
+   `custom-call`) and one of its operands is a weight. A weight is an entry parameter passed under
+   `weight_arg` (decode_step's `params`), or the output of an op that only converts and moves a
+   weight (a materialised f32 / transposed copy: rule 3 below, applied to a weight). The operand is
+   followed inside the fusion back through converts and data movement to the fusion parameter the
+   op reads from memory; that parameter's dtype decides: f32 / f64 is `matmul_fp32`, anything
+   narrower (bf16, f16, int8, fp8) is `matmul_lowp`. So XLA:CPU's fused `copy_dot_fusion`, which
+   reads a bf16 weight and widens it in registers, is a 16-bit matmul; a dot that reads an f32 copy
+   of the weight made by an earlier convert op is an fp32 matmul, and that convert op is conversion.
+2. `attention`: a `dot` / `convolution` with no weight operand (decode: q.k scores and p.v).
+3. `conversion`: the body holds a `convert` and otherwise only data movement (parameter, constant,
+   bitcast, reshape, transpose, copy, broadcast, slice, concatenate, pad, reverse, iota, tuple,
+   get-tuple-element, bitcast-convert): time spent only changing dtypes (and the layout on the way).
+   A convert fused into other work stays with that work; the time of non-matmul ops that fuse a
+   convert is reported apart as `fused_convert` (an upper bound of what those converts cost).
+4. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows, cache slices).
+5. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes).
+6. `reduce`: `reduce`, `reduce-window`, `sort`, `all-reduce` (norms, softmax, sampling).
+7. `copy`: data movement only (layout copies, concatenations).
+8. `elementwise`: anything else that computes (arithmetic, compare / select, transcendentals).
+9. `control`: the own time of `conditional`, `while` and `call` (their bodies are timed as ops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+# The categories, in the order reports list them.
+CATEGORIES = ("conversion", "matmul_fp32", "matmul_lowp", "attention", "gather", "scatter", "reduce", "copy",
+              "elementwise", "control")
+
+DATA_MOVEMENT = frozenset({
+    "parameter", "constant", "bitcast", "reshape", "transpose", "copy", "broadcast", "slice", "concatenate",
+    "pad", "reverse", "iota", "tuple", "get-tuple-element", "bitcast-convert", "copy-start", "copy-done",
+})
+_DOTS = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
+_GATHERS = frozenset({"gather", "dynamic-slice"})
+_SCATTERS = frozenset({"scatter", "dynamic-update-slice"})
+_REDUCES = frozenset({"reduce", "reduce-window", "sort", "all-reduce", "reduce-precision"})
+_CONTROL = frozenset({"conditional", "while", "call", "async-start", "async-done"})
+_FP32 = frozenset({"f32", "f64"})
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<dtype>\w+)?\[?")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_PARAM = re.compile(r"parameter\((\d+)\)")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One HLO instruction, as much of it as the classifier needs."""
+
+    name: str
+    opcode: str  # HLO text spelling: "fusion", "dynamic-update-slice", ...
+    dtype: str | None  # element type of an array result ("bf16"); None for tuples
+    operands: tuple[str, ...]
+    calls: str | None  # the fused computation of a fusion
+    target: str | None  # custom-call target
+    parameter: int | None  # parameter number
+    op_name: str  # the JAX-level name in the metadata ("params['layers'][0]['up']", "jit(f)/dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """What one timed op is."""
+
+    category: str
+    opcodes: tuple[str, ...]  # the distinct opcodes of its body, data movement left out
+    read_dtype: str | None = None  # matmul: the dtype the weight is read in
+    fused_convert: bool = False  # not a conversion op, but a convert is fused into it
+    op_name: str = ""
+
+
+def _opcode_text(opcode: Any) -> str:
+    """jaxlib's HloOpcode.kDynamicUpdateSlice -> "dynamic-update-slice" (the HLO text spelling)."""
+    name = opcode.name[1:] if opcode.name.startswith("k") else opcode.name
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower()
+
+
+def _instr(hlo_instruction: Any) -> Instr:
+    text = hlo_instruction.to_string()
+    head = _NAME.match(text)
+    calls = _CALLS.search(text)
+    target = _TARGET.search(text)
+    param = _PARAM.search(text)
+    op_name = _OP_NAME.search(text)
+    opcode = _opcode_text(hlo_instruction.opcode)
+    return Instr(
+        name=hlo_instruction.name,
+        opcode=opcode,
+        dtype=head.group("dtype") if head else None,
+        operands=tuple(o.name for o in hlo_instruction.operands()),
+        calls=calls.group(1) if calls and opcode == "fusion" else None,
+        target=target.group(1) if target else None,
+        parameter=int(param.group(1)) if param and opcode == "parameter" else None,
+        op_name=op_name.group(1).replace("\\'", "'") if op_name else "",
+    )
+
+
+class HloIndex:
+    """Every instruction of one optimized HLO module, by name, with its computation's instructions."""
+
+    def __init__(self, hlo_module: Any):
+        self.name: str = hlo_module.name
+        self.computations: dict[str, dict[str, Instr]] = {}
+        for comp in hlo_module.computations():
+            self.computations[comp.name] = {i.name: i for i in map(_instr, comp.instructions())}
+        self.instrs: dict[str, Instr] = {}
+        self.home: dict[str, str] = {}  # instruction name -> its computation
+        for comp_name, instrs in self.computations.items():
+            for name, instr in instrs.items():
+                self.instrs[name] = instr
+                self.home[name] = comp_name
+
+    @classmethod
+    def from_compiled(cls, compiled: Any) -> HloIndex:
+        """From a `jax.stages.Compiled` (`jitted.lower(...).compile()`): the module that actually runs."""
+        return cls(compiled.runtime_executable().hlo_modules()[0])
+
+    def body(self, instr: Instr) -> list[Instr]:
+        """The instruction, or everything fused into it (nested fusions flattened)."""
+        if instr.calls is None:
+            return [instr]
+        out = []
+        for inner in self.computations.get(instr.calls, {}).values():
+            out.extend(self.body(inner) if inner.calls is not None else [inner])
+        return out
+
+
+def _pure_conversion(body: list[Instr]) -> bool:
+    ops = {i.opcode for i in body}
+    return "convert" in ops and ops <= DATA_MOVEMENT | {"convert"}
+
+
+def _read_parameters(index: HloIndex, fusion: Instr, operand: str) -> list[Instr]:
+    """The fusion parameters that `operand` (an instruction of the fused computation) is read from,
+    following converts and data movement back (through nested fusions' outputs too)."""
+    comp = index.computations.get(fusion.calls or "", {})
+    found, todo, seen = [], [operand], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comp:
+            continue
+        seen.add(name)
+        instr = comp[name]
+        if instr.opcode == "parameter":
+            found.append(instr)
+        elif instr.opcode in DATA_MOVEMENT or instr.opcode == "convert":
+            todo.extend(instr.operands)
+        elif instr.calls is not None and _pure_conversion(index.body(instr)):
+            todo.extend(instr.operands)
+    return found
+
+
+class Classifier:
+    """Classifies the timed ops of one module (see the module docstring for the rules)."""
+
+    def __init__(self, index: HloIndex, weight_arg: str = "params"):
+        self.index = index
+        self.weight_arg = weight_arg
+        self._weight: dict[str, bool] = {}
+        self._cache: dict[str, OpInfo] = {}
+
+    def is_weight(self, name: str) -> bool:
+        """An entry parameter under `weight_arg`, or a convert / data-movement op of one."""
+        if name not in self._weight:
+            self._weight[name] = False  # cycles cannot happen in HLO, but be safe while recursing
+            instr = self.index.instrs.get(name)
+            if instr is None:
+                result = False
+            elif instr.opcode == "parameter":
+                result = instr.op_name == self.weight_arg or instr.op_name.startswith(
+                    (f"{self.weight_arg}[", f"{self.weight_arg}."))
+            else:
+                body = self.index.body(instr)
+                moves = {i.opcode for i in body} <= DATA_MOVEMENT | {"convert"}
+                result = moves and any(self.is_weight(o) for o in instr.operands)
+            self._weight[name] = result
+        return self._weight[name]
+
+    def _weight_read(self, instr: Instr, body: list[Instr]) -> str | None:
+        """The dtype a dot-bearing op reads its weight operand in, or None when no operand is a weight."""
+        if instr.calls is None:  # a bare dot / GEMM custom-call: operands are what it reads
+            dtypes = [self.index.instrs[o].dtype for o in instr.operands
+                      if o in self.index.instrs and self.is_weight(o)]
+            return _narrowest(dtypes)
+        dtypes = []
+        for dot in (i for i in body if i.opcode in _DOTS):
+            for operand in dot.operands:
+                for param in _read_parameters(self.index, instr, operand):
+                    outer = instr.operands[param.parameter] if param.parameter < len(instr.operands) else None
+                    if outer is not None and self.is_weight(outer):
+                        dtypes.append(param.dtype)
+        return _narrowest(dtypes)
+
+    def classify(self, name: str) -> OpInfo:
+        if name in self._cache:
+            return self._cache[name]
+        instr = self.index.instrs[name]
+        body = self.index.body(instr)
+        ops = {i.opcode for i in body}
+        gemm_call = instr.opcode == "custom-call" and bool(re.search(r"gemm|matmul", instr.target or "", re.I))
+        read = None
+        if ops & _DOTS or gemm_call:
+            read = self._weight_read(instr, body)
+            category = "attention" if read is None else ("matmul_fp32" if read in _FP32 else "matmul_lowp")
+        elif _pure_conversion(body):
+            category = "conversion"
+        elif ops & _GATHERS:
+            category = "gather"
+        elif ops & _SCATTERS:
+            category = "scatter"
+        elif ops & _REDUCES:
+            category = "reduce"
+        elif ops & _CONTROL:
+            category = "control"
+        elif ops <= DATA_MOVEMENT:
+            category = "copy"
+        else:
+            category = "elementwise"
+        info = OpInfo(
+            category=category,
+            opcodes=tuple(sorted(ops - DATA_MOVEMENT)),
+            read_dtype=read,
+            fused_convert=category not in ("conversion", "matmul_fp32", "matmul_lowp") and "convert" in ops,
+            op_name=instr.op_name,
+        )
+        self._cache[name] = info
+        return info
+
+
+def _narrowest(dtypes: list[str | None]) -> str | None:
+    """The narrowest dtype read (a fusion reading a bf16 weight and an f32 vector counts as bf16)."""
+    known = [d for d in dtypes if d]
+    if not known:
+        return None
+    return min(known, key=lambda d: (d in _FP32, d))

@@ -1,0 +1,106 @@
+"""The profile report: a JSON-able dict (`profile.json`) and the table printed from one or more of them.
+
+The table is rendered from the JSON alone, so `gemmax profile --compare A.json B.json` puts two runs
+(two devices, two dtypes) side by side with the same code that prints a single run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gemmax.profile.hlo import CATEGORIES
+
+SCHEMA = "gemmax.profile/1"
+
+# The four shares of the headline table (they sum to 100%) and the fine categories behind the last one.
+SHARES = ("conversion", "matmul_fp32", "matmul_lowp", "other")
+OTHER = tuple(c for c in CATEGORIES if c not in SHARES)
+LABELS = {
+    "conversion": "dtype conversion",
+    "matmul_fp32": "matrix-vector / matmul in fp32",
+    "matmul_lowp": "matmul in 16-bit / int8",
+    "other": "attention, gather (PLE, embedding), other",
+    "attention": "  of which attention (q.k, p.v)",
+    "gather": "  of which gather (embedding, PLE rows, cache slices)",
+    "scatter": "  of which scatter (KV cache writes)",
+    "reduce": "  of which reduce (norms, softmax, sampling)",
+    "copy": "  of which copies / layout",
+    "elementwise": "  of which elementwise",
+    "control": "  of which control flow (conditional, while)",
+}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}%"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
+
+
+def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows of one report, in table order."""
+    cats = report["categories"]
+    b = report["bytes_per_step"]
+    out = [(LABELS[k], _pct(report["shares"][k])) for k in SHARES]
+    out += [(LABELS[k], _pct(cats[k]["percent"])) for k in OTHER]
+    out += [
+        ("ops with a convert fused into other work", _pct(report["fused_convert_percent"])),
+        ("tensor-core / MXU use (where the device reports it)",
+         _pct(report["tensor_core_percent"]) if report["tensor_core_percent"] is not None else report["tensor_core_note"]),
+        ("total device time per step (sum of op times)", f"{report['device_ms_per_step']:.3f} ms"),
+        ("step time in the trace (first op start to last op end)", f"{report['trace_step_ms']:.3f} ms"),
+        ("step time, untraced (host clock)", f"{report['host_step_ms']:.3f} ms"),
+        ("decode tok/s (same run)", f"{report['tokens_per_second']:.1f}"),
+        ("bytes read per step (weights actually read + KV)", _bytes(b["total"])),
+        ("  weight matrices / LM head / gathered rows / norms",
+         f"{_bytes(b['matrices'])} / {_bytes(b['lm_head'])} / {_bytes(b['gathered'])} / {_bytes(b['norms'])}"),
+        ("  KV at this context", _bytes(b["kv"])),
+        ("peak bandwidth (device spec or measured)", f"{report['peak_bandwidth_gbs']:.1f} GB/s"),
+        ("  source", report["peak_bandwidth_source"]),
+        ("achieved bandwidth (bytes per step / untraced step time)", f"{report['achieved_gbs']:.1f} GB/s"),
+        ("roofline tok/s (batch x peak / bytes per step)", f"{report['roofline_tokens_per_second']:.1f}"),
+        ("share of bandwidth roofline", _pct(report["roofline_percent"])),
+    ]
+    return out
+
+
+def _header(report: dict[str, Any]) -> str:
+    p = report["precision"]
+    return (f"{report['device']['kind']}: weights {p['weights']}, activations {p['activations']}, "
+            f"KV {p['kv_cache']}, batch {report['batch']}, context {report['context']}")
+
+
+def table(reports: list[dict[str, Any]], titles: list[str] | None = None) -> str:
+    """A Markdown table with one column per report."""
+    if not reports:
+        raise ValueError("no reports to show")
+    titles = titles or (["this run"] if len(reports) == 1 else [f"run {chr(65 + i)}" for i in range(len(reports))])
+    columns = [rows(r) for r in reports]
+    lines = ["| | " + " | ".join(titles) + " |", "|---|" + "---|" * len(reports)]
+    for i, (label, _) in enumerate(columns[0]):
+        lines.append(f"| {label} | " + " | ".join(col[i][1] for col in columns) + " |")
+    legend = [f"{title}: {report.get('model', '?')} on {_header(report)}" for title, report in zip(titles, reports, strict=True)]
+    return "\n".join(lines + [""] + legend)
+
+
+def top_ops_table(report: dict[str, Any], n: int = 12) -> str:
+    """The slowest ops of one run with their category and fused opcodes."""
+    lines = ["| op | category | ms/step | share | fused opcodes | read dtype |", "|---|---|---|---|---|---|"]
+    for op in report["top_ops"][:n]:
+        lines.append(f"| {op['name']} | {op['category']} | {op['ms_per_step']:.4f} | {op['percent']:.1f}% | "
+                     f"{' '.join(op['opcodes'])} | {op['read_dtype'] or ''} |")
+    return "\n".join(lines)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """A report written by `gemmax profile` (its `profile.json`)."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read a profile report from {path}: {exc}") from exc
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a gemmax profile report (want schema {SCHEMA!r})")
+    return report

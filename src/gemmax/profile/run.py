@@ -1,0 +1,160 @@
+"""Trace decode steps of the engine's own `decode_step` and turn the trace into the profile report.
+
+The run: compile `decode_step` once for [batch] rows, warm up, time `steps` steps untraced (the
+tok/s), then trace `steps` more with `jax.profiler.trace(out_dir)` (the trace opens in xprof /
+TensorBoard's profile plugin). Every step decodes at position `context` into a cache of context + 1
+slots, feeding the same positions each time, so each step does the same work (attention over
+`context` cached tokens) however many steps run. Every row is active (remaining > 0).
+
+The per-op times of the trace are charged to categories by `gemmax.profile.hlo` from the compiled
+module that ran (the executable is the one traced, so op names match), and the roofline uses the
+model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffic`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemmax.config import ModelConfig
+from gemmax.engine.engine import decode_step
+from gemmax.engine.memory import decode_traffic
+from gemmax.engine.policy import DevicePolicy
+from gemmax.engine.sampling import SamplingState
+from gemmax.model import Precision, init_cache
+from gemmax.params import Params
+from gemmax.profile.bandwidth import peak_bandwidth
+from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
+from gemmax.profile.report import OTHER, SCHEMA
+from gemmax.profile.trace import find_xplane, op_times
+
+BYTES_NOTE = (
+    "bytes per step from gemmax.engine.memory.decode_traffic: every weight matrix once, the LM head (the "
+    "tied embedding table) whole, only the batch's rows of the embedding and PLE tables (gathered, not "
+    "streamed), norms, and the K/V each attention layer sees at this context (sliding layers: the window; "
+    "KV-sharing layers re-read their donor's)"
+)
+
+
+def profile_decode(
+    params: Params,
+    config: ModelConfig,
+    policy: DevicePolicy,
+    *,
+    out_dir: str | Path,
+    steps: int = 20,
+    warmup: int = 5,
+    batch: int = 1,
+    context: int = 128,
+    precision: Precision | None = None,
+    peak_gbs: float | None = None,
+    bandwidth_mib: int = 512,
+    model: str = "",
+) -> dict[str, Any]:
+    """Profile `steps` decode steps; writes the trace and `profile.json` under out_dir, returns the report."""
+    if steps < 1 or warmup < 0 or batch < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1 (got {steps}, {warmup}, {batch})")
+    if not 0 <= context < config.max_position_embeddings:
+        raise ValueError(f"context must be in [0, {config.max_position_embeddings}), got {context}")
+    precision = precision or policy.precision()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    cache = init_cache(config, batch, context + 1, precision.kv_cache)
+    state = SamplingState.empty(batch, config.vocab_size)
+    tokens = jnp.full(batch, config.bos_token_id, jnp.int32)
+    positions = jnp.full(batch, context, jnp.int32)
+    remaining = jnp.full(batch, 1 << 30, jnp.int32)
+    want = jnp.zeros(batch, jnp.bool_)
+    compiled = decode_step.lower(params, cache, state, tokens, positions, remaining, want,
+                                 config=config, precision=precision).compile()
+    index = HloIndex.from_compiled(compiled)
+
+    def run(n: int) -> None:
+        nonlocal cache, state, tokens
+        for _ in range(n):  # enqueued back to back, as the engine does; positions stay at `context`
+            cache, state, tokens, _, _, _ = compiled(params, cache, state, tokens, positions, remaining, want)
+        jax.block_until_ready(tokens)
+
+    run(max(warmup, 1))
+    started = time.perf_counter()
+    run(steps)
+    host_step = (time.perf_counter() - started) / steps
+    with jax.profiler.trace(str(out_dir)):
+        run(steps)
+    xplane = find_xplane(out_dir)
+    times = op_times(xplane, index.name, steps)
+
+    report = summarize(times.per_op_ns, Classifier(index))
+    traffic = decode_traffic(config, params, batch, context, precision.kv_cache)
+    peak = peak_bandwidth(policy.device_kind, peak_gbs, bandwidth_mib)
+    achieved = traffic.total / host_step / 1e9
+    tensor_core = None
+    note = "not reported on CPU (no tensor cores / MXU)"
+    if policy.platform in ("gpu", "tpu"):
+        tensor_core = report["categories"]["matmul_lowp"]["percent"]
+        note = "16-bit / int8 matmul time (tensor-core / MXU eligible), from the HLO"
+    weights = sorted({jnp.dtype(leaf.dtype).name for leaf in jax.tree.leaves(params) if leaf.ndim >= 2})
+    report.update({
+        "schema": SCHEMA,
+        "model": model,
+        "device": {"platform": policy.platform, "kind": policy.device_kind},
+        "policy": policy.as_dict(),
+        "precision": {"weights": "+".join(weights), "activations": jnp.dtype(precision.activation).name,
+                      "kv_cache": jnp.dtype(precision.kv_cache).name},
+        "batch": batch, "context": context, "steps": steps, "warmup": warmup,
+        "traced_steps_seen": times.steps,
+        "device_ms_per_step": times.total_ns / 1e6,
+        "trace_step_ms": times.step_span_ns / 1e6,
+        "host_step_ms": host_step * 1e3,
+        "tokens_per_second": batch / host_step,
+        "bytes_per_step": {"matrices": traffic.matrices, "lm_head": traffic.lm_head, "gathered": traffic.gathered,
+                           "norms": traffic.norms, "kv": traffic.kv, "total": traffic.total},
+        "bytes_note": BYTES_NOTE,
+        "peak_bandwidth_gbs": peak.gbs,
+        "peak_bandwidth_source": peak.source,
+        "achieved_gbs": achieved,
+        "roofline_tokens_per_second": batch * peak.gbs * 1e9 / traffic.total,
+        "roofline_percent": 100 * achieved / peak.gbs,
+        "tensor_core_percent": tensor_core,
+        "tensor_core_note": note,
+        "trace_dir": str(out_dir),
+        "xplane": str(xplane),
+        "trace_source": times.source,
+    })
+    (out_dir / "profile.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def summarize(per_op_ns: dict[str, float], classifier: Classifier, top: int = 25) -> dict[str, Any]:
+    """Per-op ns per step -> categories, the four headline shares (summing to 100%) and the top ops."""
+    total = sum(per_op_ns.values())
+    if total <= 0:
+        raise ValueError("the trace holds no op time")
+    by_cat: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    fused_convert = 0.0
+    ops = []
+    unknown = sorted(set(per_op_ns) - set(classifier.index.instrs))
+    if unknown:
+        raise ValueError(f"traced ops missing from module {classifier.index.name}: {unknown[:5]}")
+    for name, ns in per_op_ns.items():
+        info = classifier.classify(name)
+        by_cat[info.category] += ns
+        count[info.category] += 1
+        fused_convert += ns if info.fused_convert else 0.0
+        ops.append({"name": name, "category": info.category, "ms_per_step": ns / 1e6, "percent": 100 * ns / total,
+                    "opcodes": list(info.opcodes), "read_dtype": info.read_dtype, "op_name": info.op_name})
+    categories = {c: {"ms_per_step": by_cat[c] / 1e6, "percent": 100 * by_cat[c] / total, "ops": count[c]}
+                  for c in CATEGORIES}
+    shares = {c: categories[c]["percent"] for c in ("conversion", "matmul_fp32", "matmul_lowp")}
+    shares["other"] = sum(categories[c]["percent"] for c in OTHER)
+    ops.sort(key=lambda op: -op["ms_per_step"])
+    return {"shares": shares, "categories": categories, "fused_convert_percent": 100 * fused_convert / total,
+            "top_ops": ops[:top]}

@@ -1,0 +1,96 @@
+"""Per-op device time of one compiled module, read from a JAX profiler trace (`*.xplane.pb`).
+
+The trace is read with `jax.profiler.ProfileData` (jaxlib's XSpace reader), no TensorFlow needed.
+Every event XLA records for an op carries `hlo_op` (the instruction name) and `hlo_module` stats, and
+`run_id` identifies one execution of the module (one decode step).
+
+- GPU / TPU: the events of the `/device:*` planes (kernels on streams, or the TPU's op line); an HLO
+  op that launches several kernels gets their sum.
+- CPU: XLA:CPU runs ops on host threads, so the events come from the `/host:CPU` plane. A
+  `conditional` or `while` op's event encloses the events of the ops in its body, so each event is
+  charged its exclusive time (its duration minus the events nested in it on the same thread).
+
+Per op, the time per step is the median over steps of its time in that step: one step stalled by
+another process on a shared machine does not move the shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTimes:
+    """Time per step of each op of one module, from a trace."""
+
+    per_op_ns: dict[str, float]  # op name -> median ns per step
+    steps: int  # executions of the module seen in the trace
+    step_span_ns: float  # median over steps of (last op end - first op start)
+    source: str  # which plane the events came from
+
+    @property
+    def total_ns(self) -> float:
+        return sum(self.per_op_ns.values())
+
+
+def find_xplane(trace_dir: str | Path) -> Path:
+    """The newest `*.xplane.pb` under a `jax.profiler.trace` directory."""
+    files = sorted(Path(trace_dir).glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}/plugins/profile: was the trace written?")
+    return files[-1]
+
+
+def _exclusive(events: list[tuple[int, int, dict]]) -> list[tuple[int, int, dict, int]]:
+    """(start, end, stats) on one thread -> (start, end, stats, exclusive ns): nested events subtracted."""
+    events = sorted(events, key=lambda e: (e[0], -e[1]))
+    out: list[list] = []
+    stack: list[int] = []  # indices into out of the events still open
+    for start, end, stats in events:
+        while stack and out[stack[-1]][1] <= start:
+            stack.pop()
+        if stack:
+            out[stack[-1]][3] -= min(end, out[stack[-1]][1]) - start
+        out.append([start, end, stats, end - start])
+        stack.append(len(out) - 1)
+    return [tuple(e) for e in out]
+
+
+def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
+    """Per-op time per step of the HLO module named `module` (e.g. "jit_decode_step") over a trace of
+    `steps` executions (used to split the time when the events carry no run id)."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(str(xplane))
+    device_lines, host_lines = [], []
+    for plane in data.planes:
+        for line in plane.lines:
+            events = []
+            for event in line.events:
+                stats = dict(event.stats)
+                if stats.get("hlo_module") == module and "hlo_op" in stats:
+                    events.append((int(event.start_ns), int(event.end_ns), stats))
+            if events:
+                (device_lines if plane.name.startswith("/device:") else host_lines).append(events)
+    lines, source = (device_lines, "device") if device_lines else (host_lines, "host")
+    if not lines:
+        raise ValueError(f"the trace {xplane} has no op events of module {module!r}")
+    per_run: dict[object, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    spans: dict[object, list[int]] = {}
+    for events in lines:
+        for start, end, stats, exclusive in _exclusive(events):
+            run = stats.get("run_id", 0)
+            per_run[run][str(stats["hlo_op"])] += exclusive
+            span = spans.setdefault(run, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    runs = list(per_run.values())
+    names = {name for run in runs for name in run}
+    per_op = {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+    span = statistics.median(end - start for start, end in spans.values())
+    if len(runs) == 1 and steps > 1:  # no run ids (some device tracers): one bucket holding every step
+        per_op = {name: value / steps for name, value in per_op.items()}
+        span /= steps
+    return OpTimes(per_op_ns=per_op, steps=len(runs) if len(runs) > 1 else steps, step_span_ns=span, source=source)
