@@ -6,9 +6,10 @@ Reference ids for "The capital of France is" (prompt ids [2, 818, 5279, 529, 700
   "gemma-3-270m-q4_k_m.gguf", dtype=torch.float32)` (it dequantises the GGUF itself), then
   `generate(max_new_tokens=32, do_sample=False)`. Top-2 logit gaps along the way are >= 0.25 except at
   steps 11 (0.0136), 15 (0.0124), 25 (0.0048) and 31 (0.0186).
-- LLAMA_CPP: llama.cpp greedy on the same file (" the capital of the country of France. It is the
-  largest city in France."): the same first 15 tokens, then "." where transformers has " and" -- the
-  near-tie at step 15 that llama.cpp's quantised activations tip the other way.
+- LLAMA_CPP: llama-cpp-python 0.3.36 (CPU, 2 threads) on the same file, argmax of the last logits
+  each step (" the capital of the country of France. It is the largest city in France."): the same
+  first 15 tokens, then "." where transformers has " and" -- the near-tie at step 15 that llama.cpp's
+  8-bit activations tip the other way.
 benchmarks/real_model.py re-derives both live and reports where the runtimes part ways.
 """
 
@@ -27,7 +28,7 @@ from gemmax.checkpoint import load_checkpoint
 from gemmax.cli import app
 from gemmax.gguf_loader import load_gguf
 from gemmax.tokenizer import load_tokenizer
-from test_gguf_loader import _leaves, write_gguf
+from test_gguf_loader import param_leaves, write_gguf
 
 PROMPT = "The capital of France is"
 HF_FLOAT32 = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 532,
@@ -64,7 +65,7 @@ def test_conversion_writes_an_hf_checkpoint_equal_to_the_gguf(hf_checkpoints, tm
 
     direct, converted = load_gguf(gguf_file, jnp.float32), load_checkpoint(target, jnp.float32)
     assert converted.config == direct.config
-    want, got = _leaves(direct.params), _leaves(converted.params)
+    want, got = param_leaves(direct.params), param_leaves(converted.params)
     assert got.keys() == want.keys()
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)

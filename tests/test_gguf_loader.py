@@ -132,7 +132,7 @@ def _same_config(from_gguf, original):
     assert dataclasses.replace(from_gguf, eos_token_ids=original.eos_token_ids) == original
 
 
-def _leaves(params) -> dict[str, np.ndarray]:
+def param_leaves(params) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
@@ -142,7 +142,7 @@ def test_float32_gguf_loads_to_the_safetensors_params(hf_checkpoints, tmp_path, 
     original = load_checkpoint(directory, weight_dtype=jnp.float32)
     loaded = load_gguf(write_gguf(directory, tmp_path / f"{name}.gguf"), weight_dtype=jnp.float32)
     _same_config(loaded.config, original.config)
-    want, got = _leaves(original.params), _leaves(loaded.params)
+    want, got = param_leaves(original.params), param_leaves(loaded.params)
     assert got.keys() == want.keys()
     for key in want:
         assert got[key].dtype == want[key].dtype, key
@@ -162,7 +162,7 @@ def test_quantised_gguf_dequantises_within_its_error_and_keeps_the_logits(hf_che
     original = load_checkpoint(directory, weight_dtype=jnp.float32)
     loaded = load_gguf(write_gguf(directory, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype]),
                        weight_dtype=jnp.float32)
-    want, got = _leaves(original.params), _leaves(loaded.params)
+    want, got = param_leaves(original.params), param_leaves(loaded.params)
     for key in want:
         bound = np.abs(want[key]).max() * STORAGE[qtype] if want[key].ndim == 2 else 1e-6  # norms stay F32
         err = np.abs(got[key] - want[key]).max()

@@ -68,6 +68,9 @@ def test_e2b_kv_bytes_per_token_match_the_spec(e2b):
     # Slots scale it linearly; float32 doubles it.
     assert kv_cache_bytes(e2b, 4096, 8, jnp.float32) == 16 * kv_cache_bytes(e2b, 4096, 1, jnp.bfloat16)
     assert _cache_nbytes(e2b, 3, 700, jnp.float32) == kv_cache_bytes(e2b, 700, 3, jnp.float32)
+    # int8: one byte per value plus a float32 scale per position and KV head, for K and V.
+    assert kv_bytes_per_token(e2b, jnp.int8) == 3 * 2 * (512 + 4)
+    assert _cache_nbytes(e2b, 2, 1000, jnp.int8) == kv_cache_bytes(e2b, 1000, 2, jnp.int8)
 
 
 def test_kv_without_sharing_counts_every_layer():

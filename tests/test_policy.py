@@ -78,6 +78,7 @@ def test_observed_reports_the_dtypes_in_use(caplog):
     seen = p.observed(params, init_cache(config, 1, 8, jnp.bfloat16))
     assert (seen.weights, seen.kv_cache) == ("float16", "bfloat16")
     assert seen.as_dict()["weights"] == "float16"
+    assert p.observed(params, init_cache(config, 1, 8, jnp.int8)).kv_cache == "int8"  # not its float32 scales
     with caplog.at_level(logging.INFO, logger="gemmax"):
         log_policy(choose_policy("gpu", "Tesla T4", "7.5", 1, dtype="bfloat16"))
     assert caplog.records[0].getMessage().startswith("gemmax device policy: platform=gpu")

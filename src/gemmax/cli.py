@@ -79,7 +79,7 @@ def policy(dtype: str = typer.Option("auto"), json_output: bool = typer.Option(F
 def fit(
     model: str = typer.Option(..., help="HF directory (config.json alone is enough), config.json, .gguf or hub id"),
     max_model_len: int = typer.Option(2048, min=1, help="longest prompt + completion, tokens"),
-    max_batch: int = typer.Option(4, min=1, help="decode slots"),
+    max_batch: int = typer.Option(8, min=1, help="decode slots"),
     device_memory_gib: float = typer.Option(None, min=0.0, help="plan for this much device memory (default: the live device's)"),
     dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
@@ -111,7 +111,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
     port: int = typer.Option(8000, min=0, max=65535),
     max_model_len: int = typer.Option(2048, min=2, help="longest prompt + completion, tokens"),
-    max_batch: int = typer.Option(4, min=1, help="decode slots (requests generated together)"),
+    max_batch: int = typer.Option(8, min=1, help="decode slots (requests generated together)"),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
     api_key: str = typer.Option(None, envvar="GEMMAX_API_KEY", help="require 'Authorization: Bearer KEY'"),
     served_model_name: str = typer.Option(None, help="model name in the API (default: --model, or the built-in name)"),
@@ -183,6 +183,48 @@ def mcp_server(
     from gemmax.mcp.server import run
 
     run(transport, host, port)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
+    steps: int = typer.Option(20, min=1, help="decode steps timed and traced"),
+    warmup: int = typer.Option(5, min=0, help="decode steps run first, untimed"),
+    batch: int = typer.Option(1, min=1, help="decode rows, all active"),
+    context: int = typer.Option(128, min=0, help="tokens already in the cache at every traced step"),
+    dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
+    layout: str = typer.Option("auto", help="auto: the device's fast stored form; plain: every matrix in one piece "
+                               "as loaded (on CPU, wide matrices then miss the fused matrix-vector dot)"),
+    random_weights: bool = typer.Option(False, help="random weights of the model's config (only config.json is read)"),
+    peak_bandwidth: float = typer.Option(None, help="GB/s for the roofline (default: spec of a known device, "
+                                         "else measured here with all cores)"),
+    out: str = typer.Option("gemmax-profile", help="directory for the trace (xprof / TensorBoard) and profile.json"),
+    compare: tuple[str, str] = typer.Option(None, help="print two profile.json side by side, run nothing"),
+) -> None:
+    """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
+    step and the share of the bandwidth roofline (docs/profile.md). Prints a table, then one JSON line."""
+    from gemmax.profile import report as reports
+
+    if compare:
+        try:
+            loaded = [reports.load(path) for path in compare]
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        typer.echo(reports.table(loaded, titles=list(compare)))
+        return
+    _setup_logging()
+    if layout not in ("auto", "plain"):
+        raise typer.BadParameter("--layout must be 'auto' or 'plain'")
+    from gemmax.profile.run import load_weights, profile_decode
+
+    params, config, device_policy, name = load_weights(model, dtype, random_weights, layout)
+    result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
+                            context=context, peak_gbs=peak_bandwidth,
+                            model=name + ("" if layout == "auto" else f" (layout {layout})"))
+    typer.echo(reports.table([result]))
+    typer.echo("\nslowest ops:\n" + reports.top_ops_table(result))
+    typer.echo(f"\ntrace: {out} (open with xprof or `tensorboard --logdir {out}`); report: {out}/profile.json")
+    typer.echo(json.dumps(result))
 
 
 # Benchmark harness and reference rigs (typer sub-apps; their heavy imports happen inside commands).

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import ModelConfig
+from gemmax.config import LayerSpec, ModelConfig
 from gemmax.model import cache_slots
 from gemmax.params import Params, abstract_params, count_bytes
 
@@ -48,33 +48,27 @@ MiB = 1 << 20
 # ------------------------------------------------------------------------------------- KV cache
 
 
+def kv_bytes_per_slot(spec: LayerSpec, dtype: Any = jnp.bfloat16) -> int:
+    """Bytes of one cache slot of one layer: K and V [nkv, hd], plus float32 per-head scales for int8."""
+    scales = 4 if np.dtype(dtype) == np.int8 else 0
+    return 2 * spec.num_kv_heads * (spec.head_dim * np.dtype(dtype).itemsize + scales)
+
+
 def kv_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
     """Bytes of `init_cache(config, batch, max_len, dtype)`: K and V of every KV-owning layer."""
-    itemsize = np.dtype(dtype).itemsize
-    per_row = sum(
-        2 * cache_slots(spec, max_len) * spec.num_kv_heads * spec.head_dim * itemsize
-        for spec in config.layers
-        if spec.owns_kv
-    )
+    per_row = sum(cache_slots(spec, max_len) * kv_bytes_per_slot(spec, dtype) for spec in config.layers if spec.owns_kv)
     return batch * per_row
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
     """Marginal KV bytes of one more token of max_len once every sliding ring is full: full layers only."""
-    itemsize = np.dtype(dtype).itemsize
-    return sum(
-        2 * spec.num_kv_heads * spec.head_dim * itemsize
-        for spec in config.layers
-        if spec.owns_kv and not spec.sliding_window
-    )
+    return sum(kv_bytes_per_slot(spec, dtype) for spec in config.layers if spec.owns_kv and not spec.sliding_window)
 
 
 def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int | None = None) -> int:
     """KV bytes of the sliding rings (window slots each, fewer when max_len is shorter)."""
-    itemsize = np.dtype(dtype).itemsize
     return sum(
-        2 * (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len))
-        * spec.num_kv_heads * spec.head_dim * itemsize
+        (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len)) * kv_bytes_per_slot(spec, dtype)
         for spec in config.layers
         if spec.owns_kv and spec.sliding_window
     )
@@ -349,11 +343,10 @@ def decode_traffic(
                 matrices += size
             else:
                 norms += size
-    itemsize = np.dtype(kv_dtype).itemsize
     kv = 0
     for spec in config.layers:
         visible = min(context, spec.sliding_window) if spec.sliding_window else context
-        kv += batch * visible * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+        kv += batch * visible * kv_bytes_per_slot(spec, kv_dtype)
     return DecodeTraffic(matrices=matrices, lm_head=lm_head, gathered=gathered, norms=norms, kv=kv)
 
 

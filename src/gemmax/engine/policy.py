@@ -79,7 +79,8 @@ class DevicePolicy:
         """This policy with `weights` / `kv_cache` read from the arrays actually loaded (matrix leaves;
         several dtypes, e.g. after quantisation, are joined with '+')."""
         weights = _dtype_names(leaf for leaf in jax.tree.leaves(params) if len(leaf.shape) >= 2)
-        kv = _dtype_names(jax.tree.leaves(kv_cache)) if kv_cache is not None else self.kv_cache
+        entries = [e for e in (kv_cache or ()) if isinstance(e, dict)]
+        kv = _dtype_names(e[name] for e in entries for name in ("k", "v") if name in e)
         return dataclasses.replace(self, weights=weights or self.weights, kv_cache=kv or self.kv_cache)
 
 

@@ -47,6 +47,7 @@ from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
 State = Literal["ready", "loading", "unreachable", "dead"]
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+NAME = re.compile(r"[\w.-]{1,100}")  # also the log file's name
 LOG_TAIL_ON_ERROR = 40
 
 
@@ -144,6 +145,31 @@ def check_model(model: str) -> str:
     return model
 
 
+def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """(exited, still running) after up to `timeout_s`. psutil reaps children of this process and
+    sets their `returncode`; a zombie whose parent is another process has exited too, though only
+    that parent can collect its status."""
+    deadline = time.monotonic() + timeout_s
+    exited: list[psutil.Process] = []
+    alive = list(procs)
+    while alive:
+        gone, alive = psutil.wait_procs(alive, timeout=min(0.25, max(deadline - time.monotonic(), 0.0)))
+        exited += gone
+        zombies = [p for p in alive if _is_zombie(p)]
+        exited += zombies
+        alive = [p for p in alive if p not in zombies]
+        if time.monotonic() >= deadline:
+            break
+    return exited, alive
+
+
+def _is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 class Deployments:
     """The registry file plus process control. Safe to use from several threads and processes."""
 
@@ -176,7 +202,12 @@ class Deployments:
         return {name: DeploymentRecord(**rec) for name, rec in data.get("deployments", {}).items()}
 
     def records(self) -> list[DeploymentRecord]:
-        return sorted(self._read().values(), key=lambda r: r.started_at)
+        records = self._read()
+        with self._lock:  # forget (and reap) exited children whose record another server removed
+            for pid, child in list(self._children.items()):
+                if child.poll() is not None and all(r.pid != pid for r in records.values()):
+                    del self._children[pid]
+        return sorted(records.values(), key=lambda r: r.started_at)
 
     def get(self, name: str) -> DeploymentRecord:
         records = self._read()
@@ -249,6 +280,8 @@ class Deployments:
             raise DeploymentError(f"rig {rig!r} cannot run here (its runtime is not installed); "
                                   f"its command would be: {' '.join(spec.command(options))}")
         name = name or f"{rig}-{port}"
+        if not NAME.fullmatch(name):
+            raise DeploymentError(f"deployment name {name!r}: use letters, digits, '.', '_' and '-' only")
         self.logs.mkdir(parents=True, exist_ok=True)
         with self._locked() as records:
             for other in records.values():
@@ -296,15 +329,14 @@ class Deployments:
             how = "sigterm"
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGTERM)
-            gone, alive = psutil.wait_procs(family, timeout=timeout_s)
+            gone, alive = _wait_exited(family, timeout_s)
             if alive:
                 how = "sigkill"
                 for p in alive:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.kill()
-                gone += psutil.wait_procs(alive, timeout=10.0)[0]
-            # psutil reaps a child of this process and keeps its status (None for other processes)
-            exit_code = next((p.returncode for p in gone if p.pid == record.pid), None)
+                gone += _wait_exited(alive, 10.0)[0]
+            exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
         with self._lock:
             self._children.pop(record.pid, None)
         with self._locked() as records:

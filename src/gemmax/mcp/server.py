@@ -3,12 +3,12 @@ or streamable HTTP.
 
 Each tool is a thin wrapper over code the CLI runs too: the rigs registry and a small deployment
 registry (`gemmax.mcp.deployments`), the benchmark harness (`gemmax.bench`), the memory plan
-(`gemmax fit`), the compile cache (`gemmax cache`). Docstrings are the tool descriptions; results
+(`gemmax fit`), the decode profiler (`gemmax profile`), the compile cache (`gemmax cache`). Docstrings are the tool descriptions; results
 are pydantic models (structured output with a JSON schema). Anticipated failures (an unknown rig, a
 busy port, a missing model, a server error) come back as tool errors carrying the message, never
 as a crash of the server.
 
-Tools that touch the accelerator (`verify_device`, `fit_check`) run the CLI in a short-lived child
+Tools that touch the accelerator (`verify_device`, `fit_check`, `profile_decode`) run the CLI in a short-lived child
 process: JAX claims most of a GPU's memory in the first process that uses it, and this server must
 not hold it while the deployments it starts need it.
 """
@@ -44,7 +44,7 @@ from gemmax.mcp.device import DeviceReport
 INSTRUCTIONS = """\
 gemmax deployment tools. Typical flow: list_rigs -> verify_device -> fit_check -> start_deployment
 (waits until /health is 200) -> deployment_status / query_model -> run_sweep -> compare_results ->
-stop_deployment. Deployments outlive this server and are remembered on disk: list_deployments shows
+stop_deployment; profile_decode shows where a decode step's time goes. Deployments outlive this server and are remembered on disk: list_deployments shows
 what any gemmax MCP server on this machine started, and a deployment whose process died shows as
 "dead" until stop_deployment removes it."""
 
@@ -137,6 +137,15 @@ class Comparison(BaseModel):
     rows: list[list[str]]
     notes: list[str]
     markdown: str
+
+
+class ProfileResult(BaseModel):
+    """`gemmax profile`: where a decode step's time goes, and the share of the bandwidth roofline."""
+
+    report_path: str = Field(description="profile.json (compare two with `gemmax profile --compare A B`)")
+    trace_dir: str = Field(description="the JAX profiler trace (open with xprof or TensorBoard)")
+    text: str = Field(description="the tables `gemmax profile` prints: time by kind of op, bytes, roofline, slowest ops")
+    report: dict[str, Any] = Field(description="the full report: categories, top ops, bytes per step, tok/s, roofline %")
 
 
 class CacheTransfer(BaseModel):
@@ -316,6 +325,28 @@ def compare_results(files: Annotated[list[str], Field(min_length=2)]) -> Compari
                       markdown=to_markdown(comparison))
 
 
+def profile_decode(model: str, steps: Annotated[int, Field(ge=1)] = 20, warmup: Annotated[int, Field(ge=0)] = 5,
+                   batch: Annotated[int, Field(ge=1)] = 1, context: Annotated[int, Field(ge=0)] = 128,
+                   dtype: str = "auto", layout: Literal["auto", "plain"] = "auto", random_weights: bool = False,
+                   peak_bandwidth_gbs: float | None = None, out: str | None = None) -> ProfileResult:
+    """Profile decode steps of MODEL with the JAX profiler (`gemmax profile`): device time by kind of op
+    (conversion, fp32 / 16-bit matmul, attention, ...) classified from the compiled HLO, bytes read per
+    step, tokens/s and the share of the bandwidth roofline. random_weights reads only config.json.
+    Writes the trace and profile.json under OUT (default: under the state directory). Runs in its own
+    process, on the device a deployment may be using: profile before starting one, or on a spare device."""
+    out_dir = Path(out) if out else state_dir() / "profiles" / time.strftime("%Y%m%d-%H%M%S")
+    args = ["profile", "--model", model, "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
+            "--context", str(context), "--dtype", dtype, "--layout", layout, "--out", str(out_dir)]
+    if random_weights:
+        args.append("--random-weights")
+    if peak_bandwidth_gbs is not None:
+        args += ["--peak-bandwidth", str(peak_bandwidth_gbs)]
+    proc = _cli(args)
+    report = _json_output(proc, "gemmax profile", ok_codes=(0,))
+    text = proc.stdout.strip().rsplit("\n", 1)[0]
+    return ProfileResult(report_path=str(out_dir / "profile.json"), trace_dir=str(out_dir), text=text, report=report)
+
+
 def compile_cache_export(dest: str, cache_dir: str | None = None) -> CacheTransfer:
     """Pack JAX's persistent compilation cache (default: the user cache dir) into a .tar.gz at DEST: a
     local path, or any fsspec URL (s3://, gs://, ...) when that filesystem's package is installed."""
@@ -336,7 +367,8 @@ def compile_cache_import(src: str, cache_dir: str | None = None) -> CacheTransfe
 
 TOOLS: tuple[Callable[..., Any], ...] = (
     list_rigs, start_deployment, stop_deployment, list_deployments, deployment_status, deployment_logs,
-    verify_device, fit_check, query_model, run_sweep, compare_results, compile_cache_export, compile_cache_import,
+    verify_device, fit_check, query_model, run_sweep, compare_results, profile_decode, compile_cache_export,
+    compile_cache_import,
 )
 
 

@@ -2,8 +2,9 @@
 
 The roofline of decode is `tokens/s <= batch x bandwidth / bytes read per step`; its bandwidth is
 the device's peak read bandwidth. For the accelerators below it comes from the vendor's spec sheet
-(GB/s = 1e9 B/s). Anything else (a CPU, an unknown GPU) is measured in the same run with every core
-reading (`gemmax.engine.memory.measure_read_bandwidth`), and the report says which it used.
+(GB/s = 1e9 B/s); another GPU reports its own in the trace (the CUPTI tracer's memory clock x bus
+width); a CPU is measured in the same run with every core reading
+(`gemmax.engine.memory.measure_read_bandwidth`). The report says which it used.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ def spec_bandwidth(device_kind: str) -> PeakBandwidth | None:
     return None
 
 
-def peak_bandwidth(device_kind: str, given_gbs: float | None = None, measure_mib: int = 512) -> PeakBandwidth:
-    """A user-given figure, else the spec of a known device, else measured here with all cores."""
+def peak_bandwidth(device_kind: str, platform: str, given_gbs: float | None = None,
+                   reported_bytes_per_s: float | None = None, measure_mib: int = 512) -> PeakBandwidth | None:
+    """In order: a user-given figure, the spec of a known device, the figure the device reported in
+    the trace (GPUs: memory clock x bus width), or on CPU the all-core read bandwidth measured now.
+    None for an unknown accelerator that reports nothing (host memory says nothing about it)."""
     if given_gbs is not None:
         if given_gbs <= 0:
             raise ValueError(f"peak bandwidth must be > 0 GB/s, got {given_gbs}")
@@ -54,10 +58,14 @@ def peak_bandwidth(device_kind: str, given_gbs: float | None = None, measure_mib
     spec = spec_bandwidth(device_kind)
     if spec is not None:
         return spec
+    if reported_bytes_per_s:
+        return PeakBandwidth(reported_bytes_per_s / 1e9, "device: reported in the trace (memory clock x bus width)")
+    if platform != "cpu":
+        return None
     import os
 
     from gemmax.engine.memory import measure_read_bandwidth
 
     threads = os.cpu_count() or 1
-    gbs = measure_read_bandwidth(size_mib=measure_mib, threads=threads)
+    gbs = measure_read_bandwidth(size_mib=measure_mib, repeats=7, threads=threads)
     return PeakBandwidth(gbs, f"measured: {threads} threads reading {measure_mib} MiB (median of 7 passes)")

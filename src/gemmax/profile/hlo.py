@@ -44,10 +44,11 @@ DATA_MOVEMENT = frozenset({
     "parameter", "constant", "bitcast", "reshape", "transpose", "copy", "broadcast", "slice", "concatenate",
     "pad", "reverse", "iota", "tuple", "get-tuple-element", "bitcast-convert", "copy-start", "copy-done",
 })
+_MOVES_OR_CONVERTS = DATA_MOVEMENT | {"convert"}
 _DOTS = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
 _GATHERS = frozenset({"gather", "dynamic-slice"})
 _SCATTERS = frozenset({"scatter", "dynamic-update-slice"})
-_REDUCES = frozenset({"reduce", "reduce-window", "sort", "all-reduce", "reduce-precision"})
+_REDUCES = frozenset({"reduce", "reduce-window", "sort", "all-reduce"})
 _CONTROL = frozenset({"conditional", "while", "call", "async-start", "async-done"})
 _FP32 = frozenset({"f32", "f64"})
 
@@ -141,7 +142,7 @@ class HloIndex:
 
 def _pure_conversion(body: list[Instr]) -> bool:
     ops = {i.opcode for i in body}
-    return "convert" in ops and ops <= DATA_MOVEMENT | {"convert"}
+    return "convert" in ops and ops <= _MOVES_OR_CONVERTS
 
 
 def _read_parameters(index: HloIndex, fusion: Instr, operand: str) -> list[Instr]:
@@ -157,9 +158,7 @@ def _read_parameters(index: HloIndex, fusion: Instr, operand: str) -> list[Instr
         instr = comp[name]
         if instr.opcode == "parameter":
             found.append(instr)
-        elif instr.opcode in DATA_MOVEMENT or instr.opcode == "convert":
-            todo.extend(instr.operands)
-        elif instr.calls is not None and _pure_conversion(index.body(instr)):
+        elif instr.opcode in _MOVES_OR_CONVERTS or (instr.calls is not None and _pure_conversion(index.body(instr))):
             todo.extend(instr.operands)
     return found
 
@@ -176,7 +175,6 @@ class Classifier:
     def is_weight(self, name: str) -> bool:
         """An entry parameter under `weight_arg`, or a convert / data-movement op of one."""
         if name not in self._weight:
-            self._weight[name] = False  # cycles cannot happen in HLO, but be safe while recursing
             instr = self.index.instrs.get(name)
             if instr is None:
                 result = False
@@ -185,7 +183,7 @@ class Classifier:
                     (f"{self.weight_arg}[", f"{self.weight_arg}."))
             else:
                 body = self.index.body(instr)
-                moves = {i.opcode for i in body} <= DATA_MOVEMENT | {"convert"}
+                moves = {i.opcode for i in body} <= _MOVES_OR_CONVERTS
                 result = moves and any(self.is_weight(o) for o in instr.operands)
             self._weight[name] = result
         return self._weight[name]
@@ -242,7 +240,7 @@ class Classifier:
 
 
 def _narrowest(dtypes: list[str | None]) -> str | None:
-    """The narrowest dtype read (a fusion reading a bf16 weight and an f32 vector counts as bf16)."""
+    """The dtype the weights of one op are read in; if it reads several, a 16-bit / int8 one wins."""
     known = [d for d in dtypes if d]
     if not known:
         return None

@@ -36,6 +36,15 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}%"
 
 
+def _num(x: float | None, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:,.1f}{unit}"
+
+
+def _tensor_core(report: dict[str, Any]) -> str:
+    share = report["tensor_core_percent"]
+    return report["tensor_core_note"] if share is None else f"{_pct(share)} ({report['tensor_core_note']})"
+
+
 def _bytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
 
@@ -48,8 +57,7 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     out += [(LABELS[k], _pct(cats[k]["percent"])) for k in OTHER]
     out += [
         ("ops with a convert fused into other work", _pct(report["fused_convert_percent"])),
-        ("tensor-core / MXU use (where the device reports it)",
-         _pct(report["tensor_core_percent"]) if report["tensor_core_percent"] is not None else report["tensor_core_note"]),
+        ("tensor-core / MXU use (where the device reports it)", _tensor_core(report)),
         ("total device time per step (sum of op times)", f"{report['device_ms_per_step']:.3f} ms"),
         ("step time in the trace (first op start to last op end)", f"{report['trace_step_ms']:.3f} ms"),
         ("step time, untraced (host clock)", f"{report['host_step_ms']:.3f} ms"),
@@ -58,10 +66,10 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("  weight matrices / LM head / gathered rows / norms",
          f"{_bytes(b['matrices'])} / {_bytes(b['lm_head'])} / {_bytes(b['gathered'])} / {_bytes(b['norms'])}"),
         ("  KV at this context", _bytes(b["kv"])),
-        ("peak bandwidth (device spec or measured)", f"{report['peak_bandwidth_gbs']:.1f} GB/s"),
+        ("peak bandwidth (device spec or measured)", _num(report["peak_bandwidth_gbs"], " GB/s")),
         ("  source", report["peak_bandwidth_source"]),
-        ("achieved bandwidth (bytes per step / untraced step time)", f"{report['achieved_gbs']:.1f} GB/s"),
-        ("roofline tok/s (batch x peak / bytes per step)", f"{report['roofline_tokens_per_second']:.1f}"),
+        ("achieved bandwidth (bytes per step / untraced step time)", _num(report["achieved_gbs"], " GB/s")),
+        ("roofline tok/s (batch x peak / bytes per step)", _num(report["roofline_tokens_per_second"])),
         ("share of bandwidth roofline", _pct(report["roofline_percent"])),
     ]
     return out

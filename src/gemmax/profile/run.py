@@ -28,7 +28,7 @@ from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.sampling import SamplingState
 from gemmax.model import Precision, init_cache
-from gemmax.params import Params
+from gemmax.params import Params, param_specs, tree_from_leaves
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
 from gemmax.profile.report import OTHER, SCHEMA
@@ -40,6 +40,55 @@ BYTES_NOTE = (
     "streamed), norms, and the K/V each attention layer sees at this context (sliding layers: the window; "
     "KV-sharing layers re-read their donor's)"
 )
+
+
+LAYOUTS = ("auto", "plain")
+
+
+def load_weights(model: str | None, dtype: str | None = None, random_weights: bool = False,
+                 layout: str = "auto") -> tuple[Params, ModelConfig, DevicePolicy, str]:
+    """(params, config, policy, name) for `gemmax profile`.
+
+    `random_weights`: random weights of the model's config (only its config.json is read; decode time
+    does not depend on the values). `layout="plain"`: every matrix [out, in] as in the checkpoint,
+    without the device's fast stored form (on CPU, the column blocks that keep wide matrices in the
+    fused matrix-vector dot): a path the policy avoids, to see what it costs.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if random_weights:
+        if model is None:
+            raise ValueError("--random-weights needs --model (a directory, config.json, .gguf or hub id)")
+        from gemmax.engine.fastpath import prepare_params
+        from gemmax.engine.memory import load_config
+        from gemmax.engine.policy import device_policy, log_policy
+        from gemmax.params import random_params
+
+        policy = device_policy(dtype)
+        log_policy(policy)
+        config = load_config(model)
+        params = prepare_params(random_params(config, 0, policy.weight_dtype), config, policy)
+        name = f"{model} (random weights)"
+    else:
+        from gemmax.runtime import load_model
+
+        loaded = load_model(model, dtype)
+        params, config, policy, name = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy, loaded.name
+    if layout == "plain":
+        params = plain_layout(params, config)
+    return params, config, policy, name
+
+
+def plain_layout(params: Params, config: ModelConfig) -> Params:
+    """Params with every column-blocked matrix (`fastpath.prepare_params`) joined back into one [out, in]."""
+    leaves = {}
+    for spec in param_specs(config):
+        value: Any = params
+        for key in spec.path:
+            value = value[key]
+        leaves[spec.path] = jnp.concatenate(value, axis=-1) if isinstance(value, tuple) else value
+    joined = tree_from_leaves(config, leaves)
+    return {**joined, **{key: params[key] for key in set(params) - set(joined)}}
 
 
 def profile_decode(
@@ -93,7 +142,7 @@ def profile_decode(
 
     report = summarize(times.per_op_ns, Classifier(index))
     traffic = decode_traffic(config, params, batch, context, precision.kv_cache)
-    peak = peak_bandwidth(policy.device_kind, peak_gbs, bandwidth_mib)
+    peak = peak_bandwidth(policy.device_kind, policy.platform, peak_gbs, times.memory_bandwidth, bandwidth_mib)
     achieved = traffic.total / host_step / 1e9
     tensor_core = None
     note = "not reported on CPU (no tensor cores / MXU)"
@@ -117,11 +166,11 @@ def profile_decode(
         "bytes_per_step": {"matrices": traffic.matrices, "lm_head": traffic.lm_head, "gathered": traffic.gathered,
                            "norms": traffic.norms, "kv": traffic.kv, "total": traffic.total},
         "bytes_note": BYTES_NOTE,
-        "peak_bandwidth_gbs": peak.gbs,
-        "peak_bandwidth_source": peak.source,
+        "peak_bandwidth_gbs": peak.gbs if peak else None,
+        "peak_bandwidth_source": peak.source if peak else "unknown device: give --peak-bandwidth",
         "achieved_gbs": achieved,
-        "roofline_tokens_per_second": batch * peak.gbs * 1e9 / traffic.total,
-        "roofline_percent": 100 * achieved / peak.gbs,
+        "roofline_tokens_per_second": batch * peak.gbs * 1e9 / traffic.total if peak else None,
+        "roofline_percent": 100 * achieved / peak.gbs if peak else None,
         "tensor_core_percent": tensor_core,
         "tensor_core_note": note,
         "trace_dir": str(out_dir),

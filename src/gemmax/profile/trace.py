@@ -4,8 +4,8 @@ The trace is read with `jax.profiler.ProfileData` (jaxlib's XSpace reader), no T
 Every event XLA records for an op carries `hlo_op` (the instruction name) and `hlo_module` stats, and
 `run_id` identifies one execution of the module (one decode step).
 
-- GPU / TPU: the events of the `/device:*` planes (kernels on streams, or the TPU's op line); an HLO
-  op that launches several kernels gets their sum.
+- GPU / TPU: the events of the `/device:*` planes (kernels on streams, or the TPU's "XLA Ops" line);
+  an HLO op that launches several kernels gets their sum.
 - CPU: XLA:CPU runs ops on host threads, so the events come from the `/host:CPU` plane. A
   `conditional` or `while` op's event encloses the events of the ops in its body, so each event is
   charged its exclusive time (its duration minus the events nested in it on the same thread).
@@ -30,6 +30,7 @@ class OpTimes:
     steps: int  # executions of the module seen in the trace
     step_span_ns: float  # median over steps of (last op end - first op start)
     source: str  # which plane the events came from
+    memory_bandwidth: float | None = None  # bytes/s, as a GPU device plane reports it (memory_bandwidth stat)
 
     @property
     def total_ns(self) -> float:
@@ -66,7 +67,11 @@ def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
 
     data = ProfileData.from_file(str(xplane))
     device_lines, host_lines = [], []
+    bandwidth = None
     for plane in data.planes:
+        if plane.name.startswith("/device:"):
+            bandwidth = bandwidth or dict(plane.stats).get("memory_bandwidth")
+        found = {}
         for line in plane.lines:
             events = []
             for event in line.events:
@@ -74,7 +79,12 @@ def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
                 if stats.get("hlo_module") == module and "hlo_op" in stats:
                     events.append((int(event.start_ns), int(event.end_ns), stats))
             if events:
-                (device_lines if plane.name.startswith("/device:") else host_lines).append(events)
+                found[line.name] = events
+        if plane.name.startswith("/device:"):
+            # A device plane with an "XLA Ops" line (TPU) holds the ops there; its other lines repeat them.
+            device_lines += [found["XLA Ops"]] if "XLA Ops" in found else list(found.values())
+        else:
+            host_lines += list(found.values())
     lines, source = (device_lines, "device") if device_lines else (host_lines, "host")
     if not lines:
         raise ValueError(f"the trace {xplane} has no op events of module {module!r}")
@@ -93,4 +103,5 @@ def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
     if len(runs) == 1 and steps > 1:  # no run ids (some device tracers): one bucket holding every step
         per_op = {name: value / steps for name, value in per_op.items()}
         span /= steps
-    return OpTimes(per_op_ns=per_op, steps=len(runs) if len(runs) > 1 else steps, step_span_ns=span, source=source)
+    return OpTimes(per_op_ns=per_op, steps=len(runs) if len(runs) > 1 else steps, step_span_ns=span, source=source,
+                   memory_bandwidth=float(bandwidth) if bandwidth else None)

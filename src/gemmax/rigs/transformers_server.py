@@ -72,7 +72,7 @@ class HFGenerator:
         text_config = self.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
         self.max_model_len = int(max_model_len or getattr(text_config, "max_position_embeddings", 8192))
-        eos = {self.model.generation_config.eos_token_id, text_config.eos_token_id}
+        eos = (self.model.generation_config.eos_token_id, text_config.eos_token_id)  # each an id or a list
         self.eos_ids = sorted({i for e in eos if e is not None for i in (e if isinstance(e, list) else [e])})
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-rig")
 

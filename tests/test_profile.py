@@ -1,0 +1,198 @@
+"""`gemmax profile`: op classification from the compiled HLO, per-op times from a real JAX profiler
+trace, shares that add up, and the bytes-per-step accounting of the roofline.
+
+The checkpoint is a tiny random Gemma 4 built by transformers (the g4_shared recipe) with a wide MLP:
+its down projections read 4160 / 8320 inputs, more than the 4095 XLA:CPU's fused matrix-vector dot
+takes. The policy's stored form splits them into column blocks; `--layout plain` keeps them whole,
+the path the policy avoids, and XLA then converts each of them to an f32 copy on every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from typer.testing import CliRunner
+
+from gemmax.cli import app
+from gemmax.config import ModelConfig
+from gemmax.linear import linear, lookup
+from gemmax.params import param_specs
+from gemmax.profile import load
+from gemmax.profile.bandwidth import peak_bandwidth, spec_bandwidth
+from gemmax.profile.hlo import Classifier, HloIndex
+from gemmax.profile.run import load_weights, profile_decode
+from gemmax.profile.trace import _exclusive
+from hf_reference import GEMMA4_CONFIGS, randomize_norms
+
+WIDE = {**GEMMA4_CONFIGS["g4_shared"], "intermediate_size": 4160}  # double-wide (KV-shared) layers: 8320
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    directory = tmp_path_factory.mktemp("profile") / "g4_wide"
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**WIDE, attn_implementation="eager")).eval()
+    randomize_norms(model, 0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two_runs(wide_checkpoint, tmp_path_factory):
+    """The CLI run twice on the same checkpoint: the policy's layout, then the plain one."""
+    out = tmp_path_factory.mktemp("runs")
+    runner = CliRunner()
+    common = ["profile", "--model", str(wide_checkpoint), "--steps", "8", "--warmup", "2", "--context", "16"]
+    results = {}
+    for layout, extra in (("auto", []), ("plain", ["--peak-bandwidth", "30"])):
+        result = runner.invoke(app, [*common, "--layout", layout, "--out", str(out / layout), *extra])
+        assert result.exit_code == 0, result.output
+        results[layout] = (result.stdout, load(out / layout / "profile.json"))
+    return out, results
+
+
+def _shares_add_up(report):
+    assert sum(report["shares"].values()) == pytest.approx(100, abs=1)
+    assert sum(c["percent"] for c in report["categories"].values()) == pytest.approx(100, abs=1)
+    assert sum(c["ms_per_step"] for c in report["categories"].values()) == pytest.approx(report["device_ms_per_step"])
+
+
+def test_forced_plain_layout_shows_its_conversion_time(two_runs):
+    _, results = two_runs
+    (stdout, auto), (_, plain) = results["auto"], results["plain"]
+    _shares_add_up(auto)
+    _shares_add_up(plain)
+    assert auto["precision"] == plain["precision"] == {"weights": "bfloat16", "activations": "float32", "kv_cache": "float32"}
+    # Policy: every weight read by a fused 16-bit matrix-vector dot, no f32 matmul, little conversion.
+    assert auto["shares"]["matmul_fp32"] == 0
+    assert auto["shares"]["matmul_lowp"] > auto["shares"]["conversion"]
+    # Forced: the wide matrices are converted to f32 copies (conversion) and read by f32 dots.
+    assert plain["shares"]["conversion"] > auto["shares"]["conversion"] + 10
+    assert plain["shares"]["matmul_fp32"] > 0
+    converted = [op for op in plain["top_ops"] if op["category"] == "conversion"]
+    assert converted and all(op["opcodes"] == ["convert"] for op in converted)
+    assert {op["read_dtype"] for op in plain["top_ops"] if op["category"] == "matmul_fp32"} == {"f32"}
+    # Same weights, same bytes: the roofline numerator does not depend on how XLA reads them.
+    assert auto["bytes_per_step"] == plain["bytes_per_step"]
+    # The printed report: the table, then the same report as one JSON line; the trace is on disk.
+    assert "| dtype conversion |" in stdout and "share of bandwidth roofline" in stdout
+    assert json.loads(stdout.strip().splitlines()[-1]) == auto
+    assert auto["peak_bandwidth_source"].startswith("measured:") and auto["peak_bandwidth_gbs"] > 0
+    assert plain["peak_bandwidth_source"] == "given: --peak-bandwidth" and plain["peak_bandwidth_gbs"] == 30
+    assert auto["traced_steps_seen"] == 8 and auto["trace_source"] == "host"
+    assert auto["tokens_per_second"] == pytest.approx(1e3 / auto["host_step_ms"])
+    assert auto["roofline_percent"] == pytest.approx(
+        100 * auto["bytes_per_step"]["total"] / (auto["host_step_ms"] / 1e3) / 1e9 / auto["peak_bandwidth_gbs"])
+
+
+def test_compare_prints_both_runs_side_by_side(two_runs, tmp_path):
+    out, results = two_runs
+    a, b = str(out / "auto" / "profile.json"), str(out / "plain" / "profile.json")
+    result = CliRunner().invoke(app, ["profile", "--compare", a, b])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| dtype conversion |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == [f"{results[k][1]['shares']['conversion']:.1f}%" for k in ("auto", "plain")]
+    assert f"| | {a} | {b} |" in result.stdout
+    (tmp_path / "bad.json").write_text("{}")
+    bad = CliRunner().invoke(app, ["profile", "--compare", a, str(tmp_path / "bad.json")])
+    assert bad.exit_code != 0 and "not a gemmax profile report" in bad.output
+
+
+def test_bytes_per_step_by_hand(wide_checkpoint, two_runs, tmp_path):
+    """Batch 1 at context 16 (the CLI run) and batch 2 at context 40 (a second, short run)."""
+    H, V, P, L, nh, nkv, window = 64, 128, 8, 6, 4, 2, 4
+    hd = {"S": 16, "F": 32}
+    kinds = ["S", "F", "S", "S", "F", "F"]  # layers 3-5 share the KV of layers 2 (S) and 1 (F)
+    owns = [True, True, True, False, False, False]
+    mlp = [4160, 4160, 4160, 8320, 8320, 8320]  # double-wide MLP on the KV-sharing layers
+    params = 0
+    for kind, own, inter in zip(kinds, owns, mlp, strict=True):
+        d = hd[kind]
+        params += nh * d * H + H * nh * d  # q, o
+        params += 2 * nkv * d * H if own else 0  # k, v (sharing layers have none)
+        params += 3 * inter * H + 2 * P * H  # gate, up, down; PLE gate and projection
+    params += L * P * H  # the model-level PLE projection
+    lm_head = V * H * 2  # the tied embedding table, read whole by the LM head
+
+    def kv(batch, context):  # every attention layer reads what it sees; f32 cache
+        return batch * sum((min(context, window) if k == "S" else context) * 2 * nkv * hd[k] * 4 for k in kinds)
+
+    config = ModelConfig.from_dir(wide_checkpoint)
+    norms = 4 * sum(math.prod(s.shape) for s in param_specs(config) if s.kind in ("norm", "scalar"))
+    _, auto = two_runs[1]["auto"]
+    expected = {"matrices": 2 * params, "lm_head": lm_head, "gathered": 1 * (H + L * P) * 2, "norms": norms,
+                "kv": kv(1, 16)}
+    assert auto["bytes_per_step"] == {**expected, "total": sum(expected.values())}
+    assert "PLE" in auto["bytes_note"] and "whole" in auto["bytes_note"]
+
+    weights, config, policy, name = load_weights(str(wide_checkpoint))
+    wide = profile_decode(weights, config, policy, out_dir=tmp_path, steps=2, warmup=1, batch=2, context=40,
+                          peak_gbs=30, model=name)
+    expected.update(gathered=2 * (H + L * P) * 2, kv=kv(2, 40))  # rows per token; KV grows with context
+    assert wide["bytes_per_step"] == {**expected, "total": sum(expected.values())}
+    assert wide["roofline_tokens_per_second"] == pytest.approx(2 * 30e9 / wide["bytes_per_step"]["total"])
+    _shares_add_up(wide)
+    assert wide["shares"]["matmul_lowp"] > 0 and wide["shares"]["matmul_fp32"] == 0  # batch 2: bf16 GEMMs
+
+
+def test_classifier_rules_on_a_compiled_function():
+    """Fused bf16 dot -> 16-bit matmul; a weight too wide for the fusion -> a convert op (conversion)
+    feeding an f32 dot; an activation-only dot -> attention; a table lookup -> gather."""
+
+    def step(params, x, ids):
+        a = linear(x, params["narrow"])  # [1, 256]
+        b = linear(jnp.tile(x, (1, 9))[:, :4160], params["wide"])  # [1, 128], in = 4160 > 4095
+        scores = jnp.einsum("bd,td->bt", a[:, :64], jnp.tanh(a[:, 64:].reshape(3, 64)))
+        return a.sum() + b.sum() + scores.sum() + lookup(params["table"], ids, jnp.float32).sum()
+
+    params = {"narrow": jnp.ones((256, 512), jnp.bfloat16), "wide": jnp.ones((128, 4160), jnp.bfloat16),
+              "table": jnp.ones((100, 32), jnp.bfloat16)}
+    compiled = jax.jit(step).lower(params, jnp.ones((1, 512)), jnp.array([3, 5])).compile()
+    index = HloIndex.from_compiled(compiled)
+    classifier = Classifier(index)
+    entry = [comp for name, comp in index.computations.items() if name.startswith("main")][0]
+    ops = {name: classifier.classify(name) for name, i in entry.items() if i.opcode != "parameter"}
+    by_cat = {}
+    for name, info in ops.items():
+        by_cat.setdefault(info.category, []).append((name, info))
+    assert {info.read_dtype for _, info in by_cat["matmul_lowp"]} == {"bf16"}
+    assert {info.read_dtype for _, info in by_cat["matmul_fp32"]} == {"f32"}
+    assert "attention" in by_cat and "gather" in by_cat
+    # The f32 dot reads the wide weight through an f32 copy made by a conversion op from the bf16 parameter.
+    (fp32_dot, _), = by_cat["matmul_fp32"]
+    (copy,) = [o for o in index.instrs[fp32_dot].operands if classifier.is_weight(o)]
+    assert ops[copy].category == "conversion" and ops[copy].opcodes == ("convert",)
+    assert [entry[o].op_name for o in entry[copy].operands] == ["params['wide']"]
+
+
+def test_exclusive_time_of_nested_events():
+    """A conditional's event encloses its branch's ops on the same thread: each is charged once."""
+    events = [(0, 100, {"hlo_op": "cond"}), (10, 40, {"hlo_op": "a"}), (50, 90, {"hlo_op": "b"}),
+              (60, 70, {"hlo_op": "c"}), (120, 130, {"hlo_op": "d"})]
+    exclusive = {e[2]["hlo_op"]: e[3] for e in _exclusive(events)}
+    assert exclusive == {"cond": 30, "a": 30, "b": 30, "c": 10, "d": 10}
+    assert sum(exclusive.values()) == 110  # the busy time, nothing counted twice
+
+
+def test_peak_bandwidth_table():
+    expected = {"Tesla T4": 320, "NVIDIA T4G": 320, "NVIDIA L4": 300, "NVIDIA A10G": 600,
+                "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100 80GB PCIe": 1935,
+                "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000, "NVIDIA H200": 4800,
+                "TPU v5 lite": 819, "TPU v6 lite": 1640}
+    assert {kind: spec_bandwidth(kind).gbs for kind in expected} == expected
+    assert spec_bandwidth("AMD EPYC 9B14 (2 cores)") is None
+    assert peak_bandwidth("NVIDIA L4", "gpu").source.startswith("spec: NVIDIA L4")
+    assert peak_bandwidth("NVIDIA L4", "gpu", given_gbs=250.0).gbs == 250.0
+    reported = peak_bandwidth("NVIDIA GeForce RTX 4090", "gpu", reported_bytes_per_s=1.008e12)
+    assert reported.gbs == pytest.approx(1008) and reported.source.startswith("device: reported")
+    assert peak_bandwidth("NVIDIA GeForce RTX 4090", "gpu") is None  # never the host's bandwidth for a GPU
+    with pytest.raises(ValueError, match="must be > 0"):
+        peak_bandwidth("cpu", "cpu", given_gbs=0.0)
