@@ -73,6 +73,7 @@ def test_forced_plain_layout_shows_its_conversion_time(two_runs):
     # Policy: every weight read by a fused 16-bit matrix-vector dot, no f32 matmul, little conversion.
     assert auto["shares"]["matmul_fp32"] == 0
     assert auto["shares"]["matmul_lowp"] > auto["shares"]["conversion"]
+    assert auto["categories"]["scatter"]["ops"] > 0 and auto["categories"]["gather"]["ops"] > 0  # KV writes, rows
     # Forced: the wide matrices are converted to f32 copies (conversion) and read by f32 dots.
     assert plain["shares"]["conversion"] > auto["shares"]["conversion"] + 10
     assert plain["shares"]["matmul_fp32"] > 0

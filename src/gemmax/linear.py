@@ -8,7 +8,8 @@ stored form for the device; docs/cpu_decode.md has the measurements behind the s
 Stored forms of a weight W [out, in]:
 - an array [out, in];
 - a tuple of column blocks ([out, k_0], [out, k_1], ...) with sum(k_i) = in: the CPU fast path
-  for in > `GEMV_MAX_IN`.
+  for in > `GEMV_MAX_IN`;
+- a quantised form (int8, int4, 8/4-bit table; or column blocks of one), multiplied by gemmax.quant.
 
 Two spellings, chosen from the static number of rows of x:
 - one row (decode at batch 1): `x[1, in].astype(W.dtype) @ W.T`, x flattened to 2-D first. XLA:CPU
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gemmax import quant
+
 # Largest `in` whose float32 vector (in * 4 bytes) stays under the 16 KiB XLA:CPU's matrix-vector
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
 GEMV_MAX_IN = 4095
@@ -36,6 +39,8 @@ GEMV_MAX_IN = 4095
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype (float32 accumulation)."""
+    if quant.is_quantized(w):  # int8 / int4 forms (gemmax.quant) and their column blocks
+        return quant.linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k)  # [rows, in]: a 3-D operand loses the CPU matrix-vector fusion
     y = _blocks(x2, w) if isinstance(w, tuple) else _product(x2, w)
@@ -67,6 +72,8 @@ def _blocks(x: jax.Array, blocks: tuple[jax.Array, ...]) -> jax.Array:
 
 def lookup(table, ids: jax.Array, dtype) -> jax.Array:
     """Rows of an embedding table [V, D] (or its column blocks) for ids [...] -> [..., D] in `dtype`."""
+    if quant.is_quantized(table):  # 8 / 4-bit tables (gemmax.quant)
+        return quant.lookup(table, ids, dtype)
     if isinstance(table, tuple):
         return jnp.concatenate([jnp.take(block, ids, axis=0).astype(dtype) for block in table], axis=-1)
     return jnp.take(table, ids, axis=0).astype(dtype)

@@ -115,28 +115,39 @@ class BlockBytes:
                 f"accumulator {self.accumulator:,} + output {self.output:,} = {self.total:,} B ({self.total / KiB:.1f} KiB)")
 
 
-def block_bytes(shape: tuple[int, int], tiles: W4Tiles, group: int, x_itemsize: int = 2, out_itemsize: int = 2,
-                k_step: int | None = None, names: tuple[str, ...] = ()) -> BlockBytes:
-    """Per-block bytes of the kernel on a weight chunk of `shape` = (N, K) with `tiles`."""
+def effective_tiles(shape: tuple[int, int], tiles: W4Tiles, group: int) -> tuple[int, int]:
+    """(bn, K step) the kernel uses on a chunk of `shape` = (N, K): the largest that divide it within the
+    tiles (bn: a divisor of N; K step: a multiple of 2 x group, one group from each nibble plane, dividing K)."""
     n, k = shape
-    bn, bk = min(tiles.bn, n), min(k_step or tiles.bk, k)
-    return BlockBytes(shape=shape, names=names, tiles=tiles, k_step=bk, x=tiles.bm * bk * x_itemsize,
-                      packed=bn * bk // 2, scales=bn * math.ceil(bk / group) * 2, accumulator=tiles.bm * bn * 4,
+    unit = 2 * group
+    return math.gcd(n, tiles.bn), unit * math.gcd(k // unit, max(1, tiles.bk // unit))
+
+
+def block_bytes(shape: tuple[int, int], tiles: W4Tiles, group: int, x_itemsize: int = 2, out_itemsize: int = 2,
+                whole_k: bool = False, names: tuple[str, ...] = ()) -> BlockBytes:
+    """Per-block bytes of the kernel on a weight chunk of `shape` = (N, K) with `tiles` (`whole_k`: the
+    streamed blocks span the chunk's K, as TPU's pipeline copies them)."""
+    bn, k_step = effective_tiles(shape, tiles, group)
+    if whole_k:
+        k_step = shape[1]
+    return BlockBytes(shape=shape, names=names, tiles=tiles, k_step=k_step, x=tiles.bm * k_step * x_itemsize,
+                      packed=bn * k_step // 2, scales=bn * (k_step // group) * 2, accumulator=tiles.bm * bn * 4,
                       output=tiles.bm * bn * out_itemsize)
 
 
-def w4a16_shapes(config) -> dict[tuple[int, int], tuple[str, ...]]:
-    """{(N, K chunk): matrix names} for every matrix an `Int4Weight` stores, chunked as gemmax.quant packs it."""
+def w4a16_shapes(config) -> dict[tuple[int, int, int], tuple[str, ...]]:
+    """{(N, K chunk, group): matrix names} for every matrix an `Int4Weight` stores, chunked as
+    gemmax.quant packs it."""
     from gemmax.params import param_specs
-    from gemmax.quant import packing_chunks
+    from gemmax.quant import int4_group, packing_chunks
 
-    shapes: dict[tuple[int, int], list[str]] = {}
+    shapes: dict[tuple[int, int, int], list[str]] = {}
     for spec in param_specs(config):
         if spec.kind == "matrix":
             n, k = spec.shape
             for width in packing_chunks(k):
-                shapes.setdefault((n, width), []).append(".".join(map(str, spec.path)))
-    return {shape: tuple(names) for shape, names in sorted(shapes.items())}
+                shapes.setdefault((n, width, int4_group(k)), []).append(".".join(map(str, spec.path)))
+    return {key: tuple(names) for key, names in sorted(shapes.items())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,26 +164,21 @@ class W4A16Fit:
 def check_w4a16_fits(config, tiles: W4Tiles | None, device_limit: int, platform: str = "gpu",
                      x_itemsize: int = 2, out_itemsize: int = 2) -> W4A16Fit:
     """The tiles to use for this model's W4A16 matrices on a device with `device_limit` on-chip bytes
-    per block. Explicit `tiles` are checked (W4A16FitError with the arithmetic when a shape does not fit
-    or does not divide); with `tiles=None` the largest fitting candidate is chosen."""
-    from gemmax.quant import int4_group
-
+    per block. Explicit `tiles` are checked (W4A16FitError with the arithmetic when a block does not
+    fit); with `tiles=None` the largest fitting candidate is chosen. Tiles are upper bounds: on each
+    shape the kernel uses the largest bn and K step within them that divide it (`effective_tiles`)."""
     shapes = w4a16_shapes(config)
-    group = min(int4_group(k) for _, k in shapes)
 
     def blocks(t: W4Tiles) -> list[BlockBytes]:
-        return [block_bytes(shape, t, group, x_itemsize, out_itemsize, shape[1] if platform == "tpu" else None, names)
-                for shape, names in shapes.items()]
+        return [block_bytes((n, k), t, group, x_itemsize, out_itemsize, platform == "tpu", names)
+                for (n, k, group), names in shapes.items()]
 
     def problems(t: W4Tiles) -> list[str]:
         out = []
         for b in blocks(t):
-            n, k = b.shape
-            where = f"{b.names[0]}{f' (+{len(b.names) - 1} more)' if len(b.names) > 1 else ''} [N={n}, K={k}]"
-            if n % min(t.bn, n) or k % b.k_step or (b.k_step // 2) % group:
-                out.append(f"{where}: tiles bn={t.bn}, bk={t.bk} do not divide it (K step must be a multiple of 2 x group {group})")
-            elif b.total > device_limit:
-                out.append(f"{where}: {b.arithmetic()} > limit {device_limit:,} B")
+            if b.total > device_limit:
+                more = f" (+{len(b.names) - 1} more)" if len(b.names) > 1 else ""
+                out.append(f"{b.names[0]}{more} [N={b.shape[0]}, K={b.shape[1]}]: {b.arithmetic()} > limit {device_limit:,} B")
         return out
 
     if tiles is not None:
@@ -228,9 +234,7 @@ def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: i
     n, half = packed.shape
     if k != 2 * half or scales.shape != (n, k // group):
         raise ValueError(f"x [{m}, {k}], packed {packed.shape} and scales {scales.shape} do not describe one chunk")
-    bm, bn, k_step = tiles.bm, min(tiles.bn, n), min(tiles.bk, k)
-    if n % bn or k % k_step or (k_step // 2) % group:
-        raise ValueError(f"tiles {tiles} do not divide the chunk [N={n}, K={k}] with group {group}")
+    bm, (bn, k_step) = tiles.bm, effective_tiles((n, k), tiles, group)
     rows = -(-m // bm) * bm
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
     xlo, xhi = x[:, :half], x[:, half:]

@@ -8,7 +8,11 @@ import logging
 
 from gemmax.checkpoint import Checkpoint, load_checkpoint
 from gemmax.engine.fastpath import prepare_params
+from gemmax.engine.memory import load_config
 from gemmax.engine.policy import DevicePolicy, device_policy
+from gemmax.params import count_bytes
+from gemmax.quant import QuantOptions
+from gemmax.quant import resolve as resolve_quant
 from gemmax.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("gemmax")
@@ -22,17 +26,32 @@ class LoadedModel:
     name: str
 
 
-def load_model(model: str | None, dtype: str | None = None) -> LoadedModel:
-    """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default."""
+def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
+    """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
+    `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
+    and the W4A16 Pallas tiles are checked against the device before any weight is read."""
+    quant = quant or QuantOptions()
     policy = device_policy(dtype)
-    log.info(policy.log_line())
-    if policy.warning:
-        log.warning("WARNING: %s", policy.warning)
     if model is None:
         from gemmax.builtin import default_model_path
 
         model = str(default_model_path())
-    checkpoint = load_checkpoint(model, weight_dtype=policy.weight_dtype)
+    quantizes = quant.changes_weights
+    config = load_config(model) if quantizes else None  # shapes only: no weight is read yet
+    plan = resolve_quant(quant, policy.platform, policy.compute_capability, config)
+    policy = dataclasses.replace(policy, quant=plan.options,
+                                 kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
+    log.info(policy.log_line())
+    if policy.warning:
+        log.warning("WARNING: %s", policy.warning)
+    if plan.note:
+        log.info("%s", plan.note)
+    quantizer = plan.quantizer(config) if quantizes else None
+    checkpoint = load_checkpoint(model, weight_dtype=policy.weight_dtype,
+                                 transform=None if quantizer is None else quantizer.transform)
+    if quantizer is not None:  # adds the int8 LM head; bytes recounted exactly from what is kept
+        params = quantizer.finish(checkpoint.params)
+        checkpoint = dataclasses.replace(checkpoint, params=params, weight_bytes=count_bytes(params))
     # The stored form `linear` reads fastest on this device (K-split column blocks on CPU).
     checkpoint = dataclasses.replace(
         checkpoint, params=prepare_params(checkpoint.params, checkpoint.config, policy))

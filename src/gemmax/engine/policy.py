@@ -49,13 +49,15 @@ class DevicePolicy:
     cpu_gemv_fusion: bool | None = None  # CPU: XLA fuses the bf16 matrix-vector product (None elsewhere)
     override: str | None = None  # --dtype given by the user
     warning: str | None = None  # set when the override (or the installed XLA) picks a slow path
+    quant: Any = None  # gemmax.quant.QuantOptions in use (kernels resolved); set by runtime.load_model
 
     @property
     def pre_ampere(self) -> bool:
         return self.platform == "gpu" and self.compute_capability is not None and float(self.compute_capability) < 8.0
 
     def precision(self) -> Precision:
-        return Precision(activation=DTYPES[self.activations], kv_cache=DTYPES[self.kv_cache])
+        kv = jnp.int8 if self.kv_cache == "int8" else DTYPES[self.kv_cache]  # int8: per-position scales
+        return Precision(activation=DTYPES[self.activations], kv_cache=kv)
 
     @property
     def weight_dtype(self) -> Any:
@@ -70,6 +72,8 @@ class DevicePolicy:
         )
         if self.cpu_gemv_fusion is not None:
             line += f" cpu_gemv_fusion={self.cpu_gemv_fusion}"
+        if self.quant is not None:
+            line += f" {self.quant.describe()}"
         return line
 
     def as_dict(self) -> dict[str, Any]:

@@ -22,8 +22,9 @@ An op's *body* is the instruction itself, or for a fusion every instruction of i
    get-tuple-element, bitcast-convert): time spent only changing dtypes (and the layout on the way).
    A convert fused into other work stays with that work; the time of non-matmul ops that fuse a
    convert is reported apart as `fused_convert` (an upper bound of what those converts cost).
-4. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows, cache slices).
-5. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes).
+4. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes, with the `dynamic-slice` that
+   reads the slot's old value fused in).
+5. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows).
 6. `reduce`: `reduce`, `reduce-window`, `sort`, `all-reduce` (norms, softmax, sampling).
 7. `copy`: data movement only (layout copies, concatenations).
 8. `elementwise`: anything else that computes (arithmetic, compare / select, transcendentals).
@@ -216,10 +217,10 @@ class Classifier:
             category = "attention" if read is None else ("matmul_fp32" if read in _FP32 else "matmul_lowp")
         elif _pure_conversion(body):
             category = "conversion"
-        elif ops & _GATHERS:
-            category = "gather"
         elif ops & _SCATTERS:
             category = "scatter"
+        elif ops & _GATHERS:
+            category = "gather"
         elif ops & _REDUCES:
             category = "reduce"
         elif ops & _CONTROL:

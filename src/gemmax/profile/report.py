@@ -23,7 +23,7 @@ LABELS = {
     "matmul_lowp": "matmul in 16-bit / int8",
     "other": "attention, gather (PLE, embedding), other",
     "attention": "  of which attention (q.k, p.v)",
-    "gather": "  of which gather (embedding, PLE rows, cache slices)",
+    "gather": "  of which gather (embedding, PLE rows)",
     "scatter": "  of which scatter (KV cache writes)",
     "reduce": "  of which reduce (norms, softmax, sampling)",
     "copy": "  of which copies / layout",
@@ -46,6 +46,8 @@ def _tensor_core(report: dict[str, Any]) -> str:
 
 
 def _bytes(n: float) -> str:
+    if n < 1e6:
+        return f"{n / 1e3:,.1f} kB"
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
 
 
