@@ -149,7 +149,7 @@ def run_forms(rounds: int, batches: list[int]) -> dict:
 
 def e2b_six_layers() -> ModelConfig:
     return ModelConfig.from_hf_config({
-        **E2B_TEXT_CONFIG, "use_bidirectional_attention": None, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+        **E2B_TEXT_CONFIG, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
         "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
     })
 

@@ -31,7 +31,7 @@ from gemmax.params import abstract_params, random_params
 CPU = choose_policy("cpu", "test", None, 1, cpu_gemv_fusion=True)
 GPU = choose_policy("gpu", "NVIDIA L4", "8.9", 1)
 SIX_LAYERS = {  # E2B shapes (hidden 1536, FFN 6144 / 12288 double-wide, vocab 262144, PLE 256), 6 layers
-    **E2B_TEXT_CONFIG, "use_bidirectional_attention": None, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+    **E2B_TEXT_CONFIG, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
     "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
 }
 
@@ -158,3 +158,20 @@ def test_batched_decode_reads_no_weight_copies(six_layers):
     reads = decode_weight_reads(hlo)
     assert check_decode_hlo(hlo, 8) == []
     assert all(GEMM in kinds for name, kinds in reads.items() if name != "params['ple_embed']")
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
+    """The program the serving engine really runs (sampling included) reads every matrix fast."""
+    from gemmax.engine.engine import decode_step
+    from gemmax.engine.sampling import SamplingState
+
+    config, _, params = six_layers
+    precision = CPU.precision()
+    cache = jax.eval_shape(lambda: init_cache(config, batch, 1024, precision.kv_cache))
+    state = jax.eval_shape(lambda: SamplingState.empty(batch, config.vocab_size))
+    ints = [jax.ShapeDtypeStruct((batch,), jnp.int32)] * 3
+    hlo = decode_step.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), config=config,
+                            precision=precision).compile().as_text()
+    assert check_decode_hlo(hlo, batch) == []
+    assert GEMV in decode_weight_reads(hlo)["params['embed']"] or batch > 1

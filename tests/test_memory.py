@@ -34,13 +34,10 @@ from gemmax.engine.policy import choose_policy
 from gemmax.model import Precision, forward, init_cache
 from gemmax.params import abstract_params, count_params, param_specs
 
-# use_bidirectional_attention spelled out: the parser's default check for it is being fixed separately.
-E2B = {**E2B_TEXT_CONFIG, "use_bidirectional_attention": None}
-
 
 @pytest.fixture(scope="module")
 def e2b() -> ModelConfig:
-    return ModelConfig.from_hf_config(E2B)
+    return ModelConfig.from_hf_config(E2B_TEXT_CONFIG)
 
 
 def _cache_nbytes(config: ModelConfig, batch: int, max_len: int, dtype) -> int:
@@ -74,7 +71,7 @@ def test_e2b_kv_bytes_per_token_match_the_spec(e2b):
 
 
 def test_kv_without_sharing_counts_every_layer():
-    config = ModelConfig.from_hf_config({**E2B, "num_kv_shared_layers": 0})
+    config = ModelConfig.from_hf_config({**E2B_TEXT_CONFIG, "num_kv_shared_layers": 0})
     assert kv_bytes_per_token(config, jnp.bfloat16) == 7 * 2048  # 14 KiB: all 7 full layers store
     assert kv_fixed_bytes(config, jnp.bfloat16) == 28 * 512 * 1024
     assert _cache_nbytes(config, 1, 1000, jnp.bfloat16) == kv_cache_bytes(config, 1000, 1, jnp.bfloat16)
@@ -138,7 +135,7 @@ def test_prefill_workspace_is_quadratic_in_the_chunk(e2b):
 def test_workspace_estimate_bounds_xla_buffer_assignment():
     """The estimate must cover what XLA really allocates for a prefill, without overshooting 2x."""
     config = ModelConfig.from_hf_config({
-        **E2B, "vocab_size": 512, "vocab_size_per_layer_input": 512, "hidden_size": 256, "intermediate_size": 1024,
+        **E2B_TEXT_CONFIG, "vocab_size": 512, "vocab_size_per_layer_input": 512, "hidden_size": 256, "intermediate_size": 1024,
         "num_hidden_layers": 4, "layer_types": [SLIDING, SLIDING, FULL, FULL], "num_kv_shared_layers": 1,
         "num_attention_heads": 4, "head_dim": 64, "global_head_dim": 128, "sliding_window": 128,
         "hidden_size_per_layer_input": 64,
@@ -156,7 +153,7 @@ def test_workspace_estimate_bounds_xla_buffer_assignment():
 
 
 def test_fit_cli_works_from_a_config_alone(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(E2B))
+    (tmp_path / "config.json").write_text(json.dumps(E2B_TEXT_CONFIG))
     assert load_config(str(tmp_path)).num_layers == 35
     runner = CliRunner()
     ok = runner.invoke(app, ["fit", "--model", str(tmp_path), "--max-model-len", "4096", "--max-batch", "2",
@@ -173,7 +170,7 @@ def test_fit_cli_works_from_a_config_alone(tmp_path):
 
 
 def test_decode_traffic_counts_what_a_step_reads(e2b):
-    config = ModelConfig.from_hf_config({**E2B, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+    config = ModelConfig.from_hf_config({**E2B_TEXT_CONFIG, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
                                          "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL]})
     params = abstract_params(config, jnp.bfloat16)
     H, V, P = 1536, 262144, 256

@@ -23,11 +23,11 @@ def test_live_cpu_policy():
     assert p.platform == "cpu" and p.device_memory_bytes > 2**30
     # jax is pinned to a version whose XLA:CPU fuses the bf16 matrix-vector product (docs/cpu_decode.md).
     assert p.cpu_gemv_fusion is True and cpu_gemv_fuses("bfloat16")
-    assert (p.compute_dtype, p.weights, p.activations, p.kv_cache) == ("bfloat16", "bfloat16", "float32", "float32")
+    assert (p.compute_dtype, p.weights, p.activations, p.kv_cache) == ("bfloat16", "bfloat16", "float32", "bfloat16")
     assert p.warning is None and p.override is None
     line = p.log_line()
     assert line.startswith("gemmax device policy: platform=cpu kind=")
-    assert "compute_dtype=bfloat16 weights=bfloat16 activations=float32 kv_cache=float32" in line
+    assert "compute_dtype=bfloat16 weights=bfloat16 activations=float32 kv_cache=bfloat16" in line
     assert p.precision().activation == jnp.float32
 
 
@@ -69,7 +69,7 @@ def test_cpu_without_the_fusion_falls_back_to_float32():
 
 def test_observed_reports_the_dtypes_in_use(caplog):
     config = ModelConfig.from_hf_config({
-        **E2B_TEXT_CONFIG, "use_bidirectional_attention": None, "vocab_size": 64, "vocab_size_per_layer_input": 64,
+        **E2B_TEXT_CONFIG, "vocab_size": 64, "vocab_size_per_layer_input": 64,
         "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "layer_types": None,
         "num_kv_shared_layers": 0, "head_dim": 8, "global_head_dim": 16, "hidden_size_per_layer_input": 4,
     })

@@ -69,7 +69,7 @@ def test_forced_plain_layout_shows_its_conversion_time(two_runs):
     (stdout, auto), (_, plain) = results["auto"], results["plain"]
     _shares_add_up(auto)
     _shares_add_up(plain)
-    assert auto["precision"] == plain["precision"] == {"weights": "bfloat16", "activations": "float32", "kv_cache": "float32"}
+    assert auto["precision"] == plain["precision"] == {"weights": "bfloat16", "activations": "float32", "kv_cache": "bfloat16"}
     # Policy: every weight read by a fused 16-bit matrix-vector dot, no f32 matmul, little conversion.
     assert auto["shares"]["matmul_fp32"] == 0
     assert auto["shares"]["matmul_lowp"] > auto["shares"]["conversion"]

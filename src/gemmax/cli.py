@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import sys
@@ -25,7 +27,50 @@ def _parse_ids(text: str) -> list[int]:
         raise typer.BadParameter(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
 
 
+# Load-time quantisation (docs/quantization.md): one option set shared by generate, serve, fit and
+# profile. `with_quant_options` adds these parameters to a command, which receives them as one
+# `quant` argument (a gemmax.quant.QuantOptions).
+_QUANT_OPTIONS = {
+    "quant": (str, typer.Option("none", help="linear layers: none, int8 (per output channel), w4a16 (int4, group-wise scales)")),
+    "ple_bits": (int, typer.Option(16, help="per-layer embedding table: 16 (as loaded), 8 or 4 bits")),
+    "int8_lm_head": (bool, typer.Option(False, "--int8-lm-head", help="int8 copy of the tied embedding for the LM head's matmul (the gather keeps its precision)")),
+    "kv_cache_dtype": (str, typer.Option("auto", help="KV cache: auto (device policy) or int8 (per-position, per-head scales)")),
+    "w4a16_kernel": (str, typer.Option("auto", help="w4a16 matmul: auto, xla, pallas (fused kernel; tiles checked against on-chip memory)")),
+    "w4a16_tiles": (str, typer.Option(None, help="Pallas tiles BMxBNxBK[xSTAGES] (default: the largest that fit)")),
+    "allow_pallas_interpret": (bool, typer.Option(False, "--allow-pallas-interpret", help="allow the Pallas kernel in CPU interpret mode (a simulator)")),
+}
+
+
+def with_quant_options(command):
+    """Add the load-time quantisation options to a typer command; it gets them as `quant=QuantOptions(...)`."""
+    signature = inspect.signature(command)
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+             for name, (kind, option) in _QUANT_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        from gemmax.pallas_w4a16 import W4Tiles
+        from gemmax.quant import QuantError, QuantOptions
+
+        values = {name: kwargs.pop(name) for name in _QUANT_OPTIONS}
+        try:
+            tiles = W4Tiles.parse(values["w4a16_tiles"]) if values["w4a16_tiles"] else None
+            quant = QuantOptions(quant=values["quant"], ple_bits=values["ple_bits"], int8_lm_head=values["int8_lm_head"],
+                                 kv_cache=values["kv_cache_dtype"], w4a16_kernel=values["w4a16_kernel"],
+                                 w4a16_tiles=tiles, allow_pallas_interpret=values["allow_pallas_interpret"])
+        except (QuantError, ValueError) as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        return command(**kwargs, quant=quant)
+
+    kept = [p for p in signature.parameters.values() if p.name != "quant"]
+    wrapper.__signature__ = signature.replace(parameters=kept + added)
+    wrapper.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != "quant"},
+                               **{name: kind for name, (kind, _) in _QUANT_OPTIONS.items()}}
+    return wrapper
+
+
 @app.command()
+@with_quant_options
 def generate(
     model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
     prompt: str = typer.Option(None, help="text prompt (<bos> is prepended)"),
@@ -37,6 +82,7 @@ def generate(
     seed: int = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
+    quant=None,
 ) -> None:
     """Generate from one prompt (greedy when temperature is 0)."""
     _setup_logging()
@@ -46,7 +92,10 @@ def generate(
     from gemmax.generate import generate as run
     from gemmax.runtime import load_model
 
-    loaded = load_model(model, dtype)
+    try:
+        loaded = load_model(model, dtype, quant)
+    except ValueError as exc:  # quantisation options this device cannot run (QuantError, W4A16FitError)
+        raise typer.BadParameter(str(exc)) from exc
     if prompt is not None:
         if loaded.tokenizer is None:
             raise typer.BadParameter("this checkpoint has no tokenizer: use --prompt-ids")
@@ -76,6 +125,7 @@ def policy(dtype: str = typer.Option("auto"), json_output: bool = typer.Option(F
 
 
 @app.command()
+@with_quant_options
 def fit(
     model: str = typer.Option(..., help="HF directory (config.json alone is enough), config.json, .gguf or hub id"),
     max_model_len: int = typer.Option(2048, min=1, help="longest prompt + completion, tokens"),
@@ -85,9 +135,12 @@ def fit(
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
     prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: max_model_len)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
+    quant=None,
 ) -> None:
     """Will this model fit? Weights + KV cache (sliding rings and KV sharing honoured) + prefill workspace
     against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
+    import jax.numpy as jnp
+
     from gemmax.engine.memory import GiB, load_config, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -97,15 +150,25 @@ def fit(
     memory = int(device_memory_gib * GiB) if device_memory_gib is not None else p.device_memory_bytes
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
-    plan = plan_memory(load_config(model), max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
-                       kv_dtype=DTYPES[p.kv_cache if kv_dtype == "auto" else kv_dtype],
-                       activation_dtype=DTYPES[p.activations], prefill_tokens=prefill_tokens, model=model)
-    typer.echo(json.dumps(plan.as_dict()) if json_output else plan.explain())
+    from gemmax.quant import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
+
+    config = load_config(model)
+    kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
+    plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
+                       kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
+                       activation_dtype=DTYPES[p.activations], prefill_tokens=prefill_tokens, model=model,
+                       weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
+    by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
+    if json_output:
+        typer.echo(json.dumps({**plan.as_dict(), "quant": quant.label, "weight_bytes_by_option": by_option}))
+    else:
+        typer.echo(plan.explain() + f"\n  quantisation: {quant.label}\n" + format_weight_bytes(by_option, p.weight_dtype))
     if not plan.fits:
         raise typer.Exit(1)
 
 
 @app.command()
+@with_quant_options
 def serve(
     model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
@@ -118,6 +181,7 @@ def serve(
     on_degenerate: str = typer.Option("flag", help="flag: report degenerate output; error: answer it with an error"),
     drain_timeout: float = typer.Option(30.0, min=0.0, help="seconds in-flight requests get at SIGTERM"),
     log_level: str = typer.Option("info"),
+    quant=None,
 ) -> None:
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming."""
     _setup_logging()
@@ -137,7 +201,7 @@ def serve(
         from gemmax.engine.engine import BatchEngine
         from gemmax.runtime import load_model
 
-        loaded = load_model(model, dtype)
+        loaded = load_model(model, dtype, quant)
         engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch)
         engine.start()  # warm-up runs in the engine's thread; /health turns 200 when it is done
         return engine, loaded.tokenizer
@@ -186,6 +250,7 @@ def mcp_server(
 
 
 @app.command()
+@with_quant_options
 def profile(
     model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
     steps: int = typer.Option(20, min=1, help="decode steps timed and traced"),
@@ -200,6 +265,7 @@ def profile(
                                          "else measured here with all cores)"),
     out: str = typer.Option("gemmax-profile", help="directory for the trace (xprof / TensorBoard) and profile.json"),
     compare: tuple[str, str] = typer.Option(None, help="print two profile.json side by side, run nothing"),
+    quant=None,
 ) -> None:
     """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
     step and the share of the bandwidth roofline (docs/profile.md). Prints a table, then one JSON line."""
@@ -217,7 +283,10 @@ def profile(
         raise typer.BadParameter("--layout must be 'auto' or 'plain'")
     from gemmax.profile.run import load_weights, profile_decode
 
-    params, config, device_policy, name = load_weights(model, dtype, random_weights, layout)
+    try:
+        params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
                             context=context, peak_gbs=peak_bandwidth,
                             model=name + ("" if layout == "auto" else f" (layout {layout})"))

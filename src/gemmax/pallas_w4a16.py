@@ -72,7 +72,7 @@ class W4Tiles:
 
 # What the TPU deployment used (and what a port to a GPU would naively keep).
 TPU_TILES = W4Tiles(bm=16, bn=512, bk=2048, stages=2)
-# Candidates for automatic selection, largest blocks first among those that fit.
+# Candidates for automatic selection (`check_w4a16_fits` picks among those that fit).
 CANDIDATES = tuple(W4Tiles(bm, bn, bk) for bm in (16, 32, 64) for bn in (32, 64, 128, 256, 512)
                    for bk in (256, 512, 1024, 2048))
 
@@ -116,11 +116,14 @@ class BlockBytes:
 
 
 def effective_tiles(shape: tuple[int, int], tiles: W4Tiles, group: int) -> tuple[int, int]:
-    """(bn, K step) the kernel uses on a chunk of `shape` = (N, K): the largest that divide it within the
-    tiles (bn: a divisor of N; K step: a multiple of 2 x group, one group from each nibble plane, dividing K)."""
+    """(bn, K step) the kernel uses on a chunk of `shape` = (N, K): bn is the largest divisor of N
+    within tiles.bn that divides bn (a power of two stays one); the K step is the largest multiple of
+    2 x group (one group from each nibble plane) that divides K and stays within tiles.bk."""
     n, k = shape
     unit = 2 * group
-    return math.gcd(n, tiles.bn), unit * math.gcd(k // unit, max(1, tiles.bk // unit))
+    steps = k // unit
+    cap = max(1, tiles.bk // unit)
+    return math.gcd(n, tiles.bn), unit * max(d for d in range(1, min(steps, cap) + 1) if steps % d == 0)
 
 
 def block_bytes(shape: tuple[int, int], tiles: W4Tiles, group: int, x_itemsize: int = 2, out_itemsize: int = 2,
@@ -165,7 +168,7 @@ def check_w4a16_fits(config, tiles: W4Tiles | None, device_limit: int, platform:
                      x_itemsize: int = 2, out_itemsize: int = 2) -> W4A16Fit:
     """The tiles to use for this model's W4A16 matrices on a device with `device_limit` on-chip bytes
     per block. Explicit `tiles` are checked (W4A16FitError with the arithmetic when a block does not
-    fit); with `tiles=None` the largest fitting candidate is chosen. Tiles are upper bounds: on each
+    fit); with `tiles=None` the fitting candidate with the largest weight tile is chosen. Tiles are upper bounds: on each
     shape the kernel uses the largest bn and K step within them that divide it (`effective_tiles`)."""
     shapes = w4a16_shapes(config)
 
@@ -195,7 +198,8 @@ def check_w4a16_fits(config, tiles: W4Tiles | None, device_limit: int, platform:
         raise W4A16FitError(
             f"no W4A16 tiling fits {device_limit:,} B of on-chip memory per block; the smallest candidate {smallest}:\n  "
             + "\n  ".join(problems(smallest)))
-    best = max(fitting, key=lambda t: (max(b.total for b in blocks(t)), t.bn, t.bk))
+    # The largest weight tile (fewest programs, each x tile reused the most), then the most rows.
+    best = max(fitting, key=lambda t: (t.bn * t.bk, t.bm))
     return W4A16Fit(best, device_limit, tuple(blocks(best)))
 
 

@@ -248,7 +248,7 @@ def _sum(parts: list[jax.Array]) -> jax.Array:
 def _gemv(x: jax.Array, blocks: tuple) -> jax.Array:
     """One row x [1, in] -> [1, out] float32 in XLA:CPU's fused matrix-vector form: the weight's unpack,
     convert and scale happen inside the dot, so it is read once as stored."""
-    x = x.astype(F32)
+    x = x.astype(jnp.bfloat16).astype(F32)
     parts, start = [], 0
     for b in blocks:
         if isinstance(b, Int8Weight):

@@ -365,31 +365,30 @@ def measure_read_bandwidth(size_mib: int = 512, repeats: int = 7, threads: int |
     core OR-reducing its share of a `size_mib` buffer (far beyond the last-level cache).
 
     numpy's reductions release the GIL, so the threads run in parallel; an integer OR is exact,
-    vectorised and does too little arithmetic to be compute-bound.
+    vectorised and does too little arithmetic to be compute-bound. The first pass is not counted.
     """
     threads = threads or os.cpu_count() or 1
-    buffer = np.ones(size_mib * MiB // 8, np.uint64)
+    # Written, distinct values: an untouched np.zeros buffer maps every page to the kernel's shared zero
+    # page, and reading that runs from cache.
+    buffer = np.arange(size_mib * MiB // 8, dtype=np.uint64)
     chunks = np.array_split(buffer, threads)
-    np.bitwise_or.reduce(buffer)  # touch every page once
-    start = threading.Barrier(threads + 1)
-    stop = threading.Barrier(threads + 1)
+    barrier = threading.Barrier(threads)
     passes = repeats + 1
+    spans = [[(0.0, 0.0)] * passes for _ in range(threads)]
 
-    def work(chunk: np.ndarray) -> None:
-        for _ in range(passes):
-            start.wait()
-            np.bitwise_or.reduce(chunk)
-            stop.wait()
+    def work(index: int) -> None:
+        # Each thread times itself: a separate timing thread would be a third thread on two cores
+        # and could start its clock late, overstating the bandwidth.
+        for p in range(passes):
+            barrier.wait()
+            t0 = time.perf_counter()
+            np.bitwise_or.reduce(chunks[index])
+            spans[index][p] = (t0, time.perf_counter())
 
-    pool = [threading.Thread(target=work, args=(chunk,), daemon=True) for chunk in chunks]
+    pool = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(threads)]
     for thread in pool:
         thread.start()
-    seconds = []
-    for _ in range(passes):
-        start.wait()
-        t0 = time.perf_counter()
-        stop.wait()
-        seconds.append(time.perf_counter() - t0)
     for thread in pool:
         thread.join()
+    seconds = [max(s[p][1] for s in spans) - min(s[p][0] for s in spans) for p in range(passes)]
     return buffer.nbytes / float(np.median(seconds[1:])) / 1e9

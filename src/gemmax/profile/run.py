@@ -13,6 +13,7 @@ model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -46,16 +47,19 @@ LAYOUTS = ("auto", "plain")
 
 
 def load_weights(model: str | None, dtype: str | None = None, random_weights: bool = False,
-                 layout: str = "auto") -> tuple[Params, ModelConfig, DevicePolicy, str]:
+                 layout: str = "auto", quant=None) -> tuple[Params, ModelConfig, DevicePolicy, str]:
     """(params, config, policy, name) for `gemmax profile`.
 
     `random_weights`: random weights of the model's config (only its config.json is read; decode time
     does not depend on the values). `layout="plain"`: every matrix [out, in] as in the checkpoint,
     without the device's fast stored form (on CPU, the column blocks that keep wide matrices in the
-    fused matrix-vector dot): a path the policy avoids, to see what it costs.
+    fused matrix-vector dot): a path the policy avoids, to see what it costs. `quant`: load-time
+    quantisation (a gemmax.quant.QuantOptions), as `gemmax serve` would apply it.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "plain" and quant is not None and quant.changes_weights:
+        raise ValueError("--layout plain joins plain matrices: it cannot be combined with quantised weights")
     if random_weights:
         if model is None:
             raise ValueError("--random-weights needs --model (a directory, config.json, .gguf or hub id)")
@@ -63,16 +67,24 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         from gemmax.engine.memory import load_config
         from gemmax.engine.policy import device_policy, log_policy
         from gemmax.params import random_params
+        from gemmax.quant import QuantOptions, quantize_params, resolve
 
+        quant = quant or QuantOptions()
         policy = device_policy(dtype)
-        log_policy(policy)
         config = load_config(model)
-        params = prepare_params(random_params(config, 0, policy.weight_dtype), config, policy)
+        plan = resolve(quant, policy.platform, policy.compute_capability, config)
+        policy = dataclasses.replace(policy, quant=plan.options,
+                                     kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
+        log_policy(policy)
+        params = random_params(config, 0, policy.weight_dtype)
+        if quant.changes_weights:
+            params = quantize_params(params, config, plan.options, plan.int8_kernel)
+        params = prepare_params(params, config, policy)
         name = f"{model} (random weights)"
     else:
         from gemmax.runtime import load_model
 
-        loaded = load_model(model, dtype)
+        loaded = load_model(model, dtype, quant)
         params, config, policy, name = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy, loaded.name
     if layout == "plain":
         params = plain_layout(params, config)
