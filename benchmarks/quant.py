@@ -195,7 +195,7 @@ def bench_forms(args, policy) -> list[dict]:
 def quantized(params, config, options: Q.QuantOptions, policy):
     if options.changes_weights:
         plan = Q.resolve(options, policy.platform)
-        params = Q.quantize_params(params, config, plan.options, plan.int8_kernel)
+        params = Q.quantize_params(params, config, plan.options, plan.kernel)
     return params, count_bytes(params)
 
 

@@ -175,3 +175,19 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
                             precision=precision).compile().as_text()
     assert check_decode_hlo(hlo, batch) == []
     assert GEMV in decode_weight_reads(hlo)["params['embed']"] or batch > 1
+
+
+def test_engine_small_group_decode_gets_the_fast_path(six_layers):
+    """decode_rows (one active request among 8 slots) gathers its rows and still reads every matrix fast."""
+    from gemmax.engine.engine import decode_rows
+    from gemmax.engine.sampling import SamplingState
+
+    config, _, params = six_layers
+    precision = CPU.precision()
+    cache = jax.eval_shape(lambda: init_cache(config, 8, 1024, precision.kv_cache))
+    state = jax.eval_shape(lambda: SamplingState.empty(8, config.vocab_size))
+    ints = [jax.ShapeDtypeStruct((8,), jnp.int32)] * 3
+    hlo = decode_rows.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((8,), jnp.bool_),
+                            jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
+                            precision=precision).compile().as_text()
+    assert check_decode_hlo(hlo, 1) == []

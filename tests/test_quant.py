@@ -214,7 +214,7 @@ def test_resolve_picks_pallas_tiles_on_gpu_and_refuses_interpret_mode_on_cpu(e2b
     with pytest.raises(W4A16FitError, match="65,536"):
         Q.resolve(Q.QuantOptions(quant="w4a16", w4a16_tiles=TPU_TILES), "gpu", "7.5", e2b)
     assert Q.resolve(w4, "cpu", None, e2b).options.w4a16_kernel == "cpu"
-    assert Q.resolve(w4, "cpu").int8_kernel == "cpu" and Q.resolve(w4, "tpu", None, e2b).int8_kernel == "xla"
+    assert Q.resolve(w4, "cpu").kernel == "cpu" and Q.resolve(w4, "tpu", None, e2b).kernel == "xla"
     with pytest.raises(Q.QuantError, match="interpret"):
         Q.resolve(Q.QuantOptions(quant="w4a16", w4a16_kernel="pallas"), "cpu", None, e2b)
     allowed = Q.resolve(Q.QuantOptions(quant="w4a16", w4a16_kernel="pallas", allow_pallas_interpret=True), "cpu", None, e2b)

@@ -12,7 +12,8 @@ Stored forms of a weight W [out, in]:
 - a quantised form (int8, int4, 8/4-bit table; or column blocks of one), multiplied by gemmax.quant.
 
 Two spellings, chosen from the static number of rows of x:
-- one row (decode at batch 1): `x[1, in].astype(W.dtype) @ W.T`, x flattened to 2-D first. XLA:CPU
+- one row (decode at batch 1): `x[1, in].astype(W.dtype).astype(x.dtype) @ W.T` (bf16-rounded
+  products, f32 output), x flattened to 2-D first. XLA:CPU
   fuses the weight's convert and transpose into one `copy_dot_fusion` that streams bf16 weights at
   near memory bandwidth; a 3-D x, an `einsum`/`dot_general` spelling, a vector over 16 KiB or an add
   fused onto the dot's output each break that fusion and make XLA materialise an f32 copy of W on
@@ -50,7 +51,10 @@ def linear(x: jax.Array, w) -> jax.Array:
 def _product(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [rows, in] @ W[out, in].T -> [rows, out] in x.dtype."""
     if x.shape[0] == 1:
-        return (x.astype(w.dtype) @ w.T).astype(x.dtype)
+        # x rounded to W's dtype (the products the batched form computes), multiplied in x's dtype:
+        # XLA still fuses W's convert into the matrix-vector dot, and the output keeps f32 precision
+        # (a bf16-rounded output makes logits tie, and the batch-1 and batched paths disagree).
+        return x.astype(w.dtype).astype(x.dtype) @ w.T
     y = lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 

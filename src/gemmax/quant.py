@@ -247,8 +247,11 @@ def _sum(parts: list[jax.Array]) -> jax.Array:
 
 def _gemv(x: jax.Array, blocks: tuple) -> jax.Array:
     """One row x [1, in] -> [1, out] float32 in XLA:CPU's fused matrix-vector form: the weight's unpack,
-    convert and scale happen inside the dot, so it is read once as stored."""
-    x = x.astype(jnp.bfloat16).astype(F32)
+    convert and group scales happen inside the dot, so it is read once as stored."""
+    # x rounded to the compute dtype, as the plain bf16 path does (x.astype(W.dtype)). The rounding
+    # also keeps the vector's producer (final norm, residual add) out of the dot's fusion: fused into
+    # the vector side it made the int8 LM head 2-4x slower (measured on the E2B-shaped decode step).
+    x = x.astype(blocks[0].compute_dtype).astype(F32)
     parts, start = [], 0
     for b in blocks:
         if isinstance(b, Int8Weight):
@@ -411,22 +414,24 @@ def quantize_table(table: jax.Array, bits: int, group: int) -> QuantizedTable:
 @dataclasses.dataclass(frozen=True)
 class Quantizer:
     """The loader's `transform(spec, value)` and the step after loading (`finish`), for one option set
-    (resolved: concrete kernels)."""
+    (resolve them for the device with `resolve`; unresolved "auto" means the XLA form `kernel`)."""
 
     options: QuantOptions
-    int8_kernel: str = "xla"  # "cpu" on CPU
+    kernel: str = "xla"  # the device's XLA form ("cpu" on CPU): int8, and w4a16 when not resolved to another
     ple_group: int = 0  # hidden_size_per_layer_input: one scale per token per layer of the PLE table
 
     @classmethod
-    def for_config(cls, options: QuantOptions, config, int8_kernel: str = "xla") -> Quantizer:
-        return cls(options, int8_kernel, config.hidden_size_per_layer_input)
+    def for_config(cls, options: QuantOptions, config, kernel: str = "xla") -> Quantizer:
+        return cls(options, kernel, config.hidden_size_per_layer_input)
 
     def transform(self, spec, value: jax.Array) -> Any:
         o = self.options
         if spec.kind == "matrix" and o.quant == "int8":
-            return quantize_int8(value, self.int8_kernel)
+            return quantize_int8(value, self.kernel)
         if spec.kind == "matrix" and o.quant == "w4a16":
-            kernel = "xla" if o.w4a16_kernel == "auto" else o.w4a16_kernel
+            if o.w4a16_kernel == "pallas":
+                raise QuantError("w4a16_kernel='pallas' needs tiles for the device: pass the options through resolve()")
+            kernel = self.kernel if o.w4a16_kernel == "auto" else o.w4a16_kernel
             return quantize_int4(value, kernel, o.w4a16_tiles)
         if spec.path == ("ple_embed",) and o.ple_bits != 16:
             return quantize_table(value, o.ple_bits, self.ple_group)
@@ -435,15 +440,15 @@ class Quantizer:
     def finish(self, params: dict[str, Any]) -> dict[str, Any]:
         """Add what is not a transform of one tensor: the int8 LM head (a copy of the tied embedding)."""
         if self.options.int8_lm_head:
-            return {**params, "lm_head": quantize_int8(params["embed"], self.int8_kernel)}
+            return {**params, "lm_head": quantize_int8(params["embed"], self.kernel)}
         return params
 
 
-def quantize_params(params: dict[str, Any], config, options: QuantOptions, int8_kernel: str = "xla") -> dict[str, Any]:
+def quantize_params(params: dict[str, Any], config, options: QuantOptions, kernel: str = "xla") -> dict[str, Any]:
     """Quantise loaded params (arrays, or ShapeDtypeStructs under `jax.eval_shape`)."""
     from gemmax.params import param_specs, tree_from_leaves
 
-    quantizer = Quantizer.for_config(options, config, int8_kernel)
+    quantizer = Quantizer.for_config(options, config, kernel)
     leaves = {}
     for spec in param_specs(config):
         value: Any = params
@@ -461,25 +466,25 @@ class QuantPlan:
     """Options with concrete kernels for one device, and what the log should say about them."""
 
     options: QuantOptions
-    int8_kernel: str  # "cpu" or "xla"
+    kernel: str  # the XLA form for this platform: "cpu" or "xla"
     note: str | None = None  # the W4A16 tile arithmetic, or why the XLA path was chosen
 
     def quantizer(self, config) -> Quantizer:
-        return Quantizer.for_config(self.options, config, self.int8_kernel)
+        return Quantizer.for_config(self.options, config, self.kernel)
 
 
 def resolve(options: QuantOptions, platform: str, compute_capability: str | None = None, config=None) -> QuantPlan:
     """Choose the kernels for the live device. W4A16 on GPU/TPU uses the Pallas kernel with tiles that
     fit the on-chip memory per block (explicit tiles that do not fit are refused with the arithmetic);
     on CPU the measured XLA form, or the Pallas kernel in interpret mode only when explicitly allowed."""
-    int8_kernel = "cpu" if platform == "cpu" else "xla"
+    kernel = "cpu" if platform == "cpu" else "xla"
     if options.quant != "w4a16":
-        return QuantPlan(options, int8_kernel)
+        return QuantPlan(options, kernel)
     asked, tiles = options.w4a16_kernel, options.w4a16_tiles
     if asked in KERNELS and asked != "pallas":  # already resolved
-        return QuantPlan(options, int8_kernel)
+        return QuantPlan(options, kernel)
     if asked == "xla" or (platform == "cpu" and asked == "auto"):
-        return QuantPlan(dataclasses.replace(options, w4a16_kernel="cpu" if asked == "auto" else "xla"), int8_kernel)
+        return QuantPlan(dataclasses.replace(options, w4a16_kernel="cpu" if asked == "auto" else "xla"), kernel)
     if config is None:
         raise QuantError("the W4A16 Pallas kernel needs the model config to check its tiles")
     if platform == "cpu":
@@ -490,7 +495,7 @@ def resolve(options: QuantOptions, platform: str, compute_capability: str | None
                 "--allow-pallas-interpret to run it anyway (tests, debugging)")
         fit = check_w4a16_fits(config, tiles, device_limit=1 << 62, platform="cpu")
         return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas_interpret", w4a16_tiles=fit.tiles),
-                         int8_kernel, "Pallas W4A16 kernel in interpret mode (simulated on CPU)")
+                         kernel, "Pallas W4A16 kernel in interpret mode (simulated on CPU)")
     from gemmax.pallas_w4a16 import describe_fit
 
     limit = onchip_limit(platform, compute_capability)
@@ -498,10 +503,10 @@ def resolve(options: QuantOptions, platform: str, compute_capability: str | None
         fit = check_w4a16_fits(config, tiles, limit, platform=platform)
     except W4A16FitError as exc:
         if asked == "auto" and tiles is None:
-            return QuantPlan(dataclasses.replace(options, w4a16_kernel="xla"), int8_kernel,
+            return QuantPlan(dataclasses.replace(options, w4a16_kernel="xla"), kernel,
                              f"no Pallas tiling fits, using the XLA W4A16 path: {exc}")
         raise
-    return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas", w4a16_tiles=fit.tiles), int8_kernel,
+    return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas", w4a16_tiles=fit.tiles), kernel,
                      describe_fit(fit))
 
 

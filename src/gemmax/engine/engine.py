@@ -6,6 +6,8 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
 
     prefill[bucket]   tokens [1, bucket] into one slot (chunks of the largest bucket for long prompts)
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
+    decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
+                      requests are running: a decode step's cost grows with its batch
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
@@ -90,10 +92,9 @@ def prefill_step(params, cache, state, tokens, slot, start, num_new, want_logpro
     return _put_rows(cache, row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
-    """One decode step for every slot. Rows with remaining == 0 are idle: they write nothing and keep
-    their token, position and sampling state."""
+def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision):
+    """One decode step for rows [B] of the given state. Rows with remaining == 0 are idle: they write
+    nothing and keep their token, position and sampling state."""
     active = remaining > 0
     logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
                             config=config, precision=precision)
@@ -103,6 +104,27 @@ def decode_step(params, cache, state, tokens, positions, remaining, want_logprob
     ids = jnp.where(active, ids, tokens)
     step = active.astype(jnp.int32)
     return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
+def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
+    """One decode step for every slot (the engine's full-batch shape)."""
+    return _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
+def decode_rows(params, cache, state, tokens, positions, remaining, want_logprobs, rows, *, config, precision):
+    """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
+    are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
+    on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
+    Outputs are per row of `rows`."""
+    take = functools.partial(jax.tree.map, lambda a: a[rows])
+    sub_cache, sub_state, ids, pos, rem, out = _decode(
+        params, take(cache), take(state), tokens[rows], positions[rows], remaining[rows], want_logprobs[rows],
+        config, precision)
+    put = functools.partial(jax.tree.map, lambda a, sub: a.at[rows].set(sub))
+    return (put(cache, sub_cache), put(state, sub_state), tokens.at[rows].set(ids), positions.at[rows].set(pos),
+            remaining.at[rows].set(rem), out)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -150,6 +172,8 @@ class BatchEngine:
             prefill_tokens=self.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
         self.params = loaded.checkpoint.params
         self.steps_per_dispatch = steps_per_dispatch
+        # Compiled decode group sizes: powers of two below the slot count, and the full batch.
+        self.decode_groups = tuple(g for g in (1, 2, 4, 8, 16, 32, 64) if g < max_batch) + (max_batch,)
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()
@@ -193,6 +217,7 @@ class BatchEngine:
             "max_batch": self.max_batch,
             "prefill_buckets": list(self.buckets),
             "steps_per_dispatch": self.steps_per_dispatch,
+            "decode_groups": list(self.decode_groups),
             "warmup": self.warmup_report,
         }
 
@@ -290,11 +315,14 @@ class BatchEngine:
                 self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
                 while self._slots[0] is not None:
                     self._decode_dispatch()
+            for size in self.decode_groups:  # every group shape, all rows idle (nothing is written)
+                self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32))
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        self.warmup_report = {"compile_seconds": seconds, "shapes": len(self.buckets) + 1, **tracker.summary()}
-        log.info("warm-up: %d compiled shapes in %.2f s (%s)", len(self.buckets) + 1, seconds, tracker.summary())
+        shapes = len(self.buckets) + len(self.decode_groups)
+        self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
+        log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
 
     # ------------------------------------------------------------------------------ device calls
@@ -305,15 +333,30 @@ class BatchEngine:
             jnp.int32(num_new), jnp.bool_(want_logprobs), config=self.config, precision=self.precision)
         return out, prefill_step._cache_size() != before
 
-    def _dispatch_decode(self, steps: int):
+    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None):
+        """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
+        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`)."""
         outputs = []
         want = jnp.asarray(self.want_logprobs)
-        for _ in range(steps):  # enqueued back to back; nothing waits for the host in between
-            self.cache, self.state, self.tokens, self.positions, self.remaining, out = decode_step(
-                self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want,
-                config=self.config, precision=self.precision)
+        for _ in range(steps):
+            args = (self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want)
+            if rows is None:
+                result = decode_step(*args, config=self.config, precision=self.precision)
+            else:
+                result = decode_rows(*args, jnp.asarray(rows, jnp.int32), config=self.config, precision=self.precision)
+            self.cache, self.state, self.tokens, self.positions, self.remaining, out = result
             outputs.append(out)
         return jax.device_get(outputs)
+
+    def _decode_group(self) -> np.ndarray | None:
+        """The slots to step: None (all) when the smallest compiled group that holds every active slot
+        is the full batch; else the active slots padded with idle ones up to that group size."""
+        active = [i for i, slot in enumerate(self._slots) if slot is not None]
+        size = next(g for g in self.decode_groups if g >= len(active))
+        if size == self.max_batch:
+            return None
+        idle = [i for i, slot in enumerate(self._slots) if slot is None]
+        return np.asarray(active + idle[: size - len(active)], np.int32)
 
     # ------------------------------------------------------------------------------ scheduling
     def _loop(self) -> None:
@@ -377,14 +420,15 @@ class BatchEngine:
             self.remaining = self.remaining.at[slot_index].set(slot.budget - len(slot.tokens))
 
     def _decode_dispatch(self) -> None:
-        steps = self.steps_per_dispatch
-        outputs = self._dispatch_decode(steps)
+        rows = self._decode_group()
+        outputs = self._dispatch_decode(self.steps_per_dispatch, rows)
+        slot_of = range(self.max_batch) if rows is None else rows
         now = time.perf_counter()
         for ids, lps, top_ids, top_lps, active in outputs:
-            for i, slot in enumerate(self._slots):
-                if slot is None or not active[i]:
+            for j, i in enumerate(slot_of):
+                if self._slots[i] is None or not active[j]:
                     continue
-                self._accept(i, int(ids[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
         self._reap_cancelled()
 
     def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:

@@ -78,7 +78,7 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         log_policy(policy)
         params = random_params(config, 0, policy.weight_dtype)
         if quant.changes_weights:
-            params = quantize_params(params, config, plan.options, plan.int8_kernel)
+            params = quantize_params(params, config, plan.options, plan.kernel)
         params = prepare_params(params, config, policy)
         name = f"{model} (random weights)"
     else:
