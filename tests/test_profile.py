@@ -123,8 +123,8 @@ def test_bytes_per_step_by_hand(wide_checkpoint, two_runs, tmp_path):
     params += L * P * H  # the model-level PLE projection
     lm_head = V * H * 2  # the tied embedding table, read whole by the LM head
 
-    def kv(batch, context):  # every attention layer reads what it sees; f32 cache
-        return batch * sum((min(context, window) if k == "S" else context) * 2 * nkv * hd[k] * 4 for k in kinds)
+    def kv(batch, context):  # every attention layer reads what it sees; bf16 cache (the CPU policy's)
+        return batch * sum((min(context, window) if k == "S" else context) * 2 * nkv * hd[k] * 2 for k in kinds)
 
     config = ModelConfig.from_dir(wide_checkpoint)
     norms = 4 * sum(math.prod(s.shape) for s in param_specs(config) if s.kind in ("norm", "scalar"))

@@ -6,12 +6,13 @@ Bounds. Rounding a weight to a grid of step d acts like noise of RMS d/sqrt(12),
 activations. So the logit error of a quantised model is predicted by its "noise twin": the same
 model with Gaussian noise of the quantisation error's RMS (per output row, per tensor) added to every
 weight the option quantises. The tests require the measured error to lie within [0.5, 2] x the
-twins' mean over three seeds. Measured ratios: 0.95-1.03 for the matrices and the LM head, whose
-errors average over many weights; up to 1.8 for the 4-bit PLE table, whose error comes from the few
-rows the tokens touch, in groups of only P = 8 here (twins of different seeds alone differ by +-25%
-there). A wrong scale, nibble order or group gives many times more error; a quantisation that
-silently does nothing gives none; either fails. Greedy agreement (teacher-forced top-1 over decode
-steps) must reach the twins' lowest minus 0.1. These tiny random models are far more sensitive than
+twins' mean over three seeds, and the twins' error to stay below 0.7 (a model whose logits the
+noise decorrelates, error ~1, would pass any ratio). Measured ratios here: 0.80-1.06; on other
+seeds up to 1.8 for the 4-bit PLE table, whose error comes from the few rows the tokens touch, in
+groups of only P = 8 (twins of different seeds alone differ by +-25% there). A wrong scale, nibble
+order or group gives many times more error; a quantisation that silently does nothing gives none;
+either fails. Greedy agreement (teacher-forced top-1 over decode steps) must reach the twins'
+lowest minus 0.1. These tiny random models are far more sensitive than
 trained ones (median top-2 logit gap 0.04 for a logit spread of 0.17): the absolute levels here say
 little, docs/quantization.md has them for the E2B-shaped benchmark model and the real default model.
 
@@ -43,7 +44,7 @@ from gemmax.model import Precision, forward, init_cache
 from gemmax.params import count_bytes, param_specs, tree_from_leaves
 from gemmax.runtime import load_model
 
-PROMPT, STEPS, ROWS = 16, 16, 3  # prefill 16 tokens, then 16 teacher-forced decode steps, 3 rows
+TOKENS, ROWS = 25, 3  # 24 teacher-forced decode steps on 3 rows
 _forward = jax.jit(forward, static_argnames=("config", "precision", "logits"))
 
 OPTIONS = {
@@ -53,23 +54,23 @@ OPTIONS = {
     "ple4": Q.QuantOptions(ple_bits=4),
     "int8_lm_head": Q.QuantOptions(int8_lm_head=True),
 }
-CASES = [("g4_shared", name) for name in OPTIONS] + [("g3_small", name) for name in ("int8", "int8_lm_head")]
+# W4A16 runs on the models whose twin error stays well below saturation (g4_shared's reaches ~1).
+CASES = ([("g4_shared", name) for name in ("int8", "ple8", "ple4", "int8_lm_head")]
+         + [("g3_small", name) for name in ("int8", "w4a16", "int8_lm_head")] + [("g4_plain", "w4a16")])
 
 
 def decode_logits(params, config, tokens: jax.Array, kv_dtype) -> np.ndarray:
-    """Logits [B, STEPS, V]: after a prefill of PROMPT tokens, then at each teacher-forced decode step
-    (one row at a time through the CPU matrix-vector forms, every step reading the KV cache)."""
+    """Logits [B, T-1, V] of teacher-forced decode steps from an empty cache, one token per row per
+    step: the CPU matrix-vector forms (row by row for B > 1), every step reading the KV cache."""
     B, T = tokens.shape
     precision = Precision(jnp.float32, kv_dtype)
     cache = init_cache(config, B, T, kv_dtype)
-    logits, cache = _forward(params, cache, tokens[:, :PROMPT], jnp.zeros(B, jnp.int32), jnp.full(B, PROMPT, jnp.int32),
-                             config=config, precision=precision)
-    out = [logits]
-    for t in range(PROMPT, T - 1):
+    out = []
+    for t in range(T - 1):
         logits, cache = _forward(params, cache, tokens[:, t : t + 1], jnp.full(B, t, jnp.int32), jnp.ones(B, jnp.int32),
                                  config=config, precision=precision)
-        out.append(logits)
-    return np.stack([np.asarray(o) for o in out], axis=1)
+        out.append(np.asarray(logits))
+    return np.stack(out, axis=1)
 
 
 def relative_error(logits: np.ndarray, reference: np.ndarray) -> float:
@@ -115,10 +116,10 @@ def noise_twin(plain, quantized, config, seed: int):
 def references(hf_checkpoints):
     """{model: (loaded plain model, tokens, reference logits)}, computed once."""
     out = {}
-    for name in ("g4_shared", "g3_small"):
+    for name in ("g4_shared", "g3_small", "g4_plain"):
         loaded = load_model(str(hf_checkpoints[name][0]))
         config = loaded.checkpoint.config
-        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (ROWS, PROMPT + STEPS)), jnp.int32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (ROWS, TOKENS)), jnp.int32)
         out[name] = (loaded, tokens, decode_logits(loaded.checkpoint.params, config, tokens, jnp.float32))
     return out
 
@@ -141,7 +142,9 @@ def test_quantised_logits_match_their_noise_twin(model, option, references, hf_c
     logits = decode_logits(loaded.checkpoint.params, config, tokens, jnp.float32)
     error, agree = relative_error(logits, reference), agreement(logits, reference)
     twins = twin_errors(plain.checkpoint.params, loaded.checkpoint.params, config, tokens, reference)
-    ratio = error / float(np.mean([e for e, _ in twins]))
+    predicted = float(np.mean([e for e, _ in twins]))
+    assert predicted < 0.7, "saturated: decorrelated logits (error ~1) would pass the ratio bound whatever happened"
+    ratio = error / predicted
     assert 0.5 <= ratio <= 2.0, (option, error, twins)
     assert agree >= min(a for _, a in twins) - 0.1, (option, agree, twins)
 
