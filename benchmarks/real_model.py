@@ -70,23 +70,19 @@ class Run:
 # ------------------------------------------------------------------------------------------ runtimes
 
 
-def run_gemmax(prompts: list[str], max_tokens: int, dtype: str) -> Run:
+def run_gemmax(prompts: list[str], max_tokens: int, dtype: str, int8_lm_head: bool = False) -> Run:
     import jax
     import jax.numpy as jnp
 
     from gemmax.model import forward, init_cache
+    from gemmax.quant import QuantOptions
     from gemmax.runtime import load_model
 
     start = time.perf_counter()
-    loaded = load_model(None, dtype)
+    loaded = load_model(None, dtype, QuantOptions(int8_lm_head=int8_lm_head))  # device fast path applied
     params, config, precision = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy.precision()
-    try:  # the engine's CPU weight layout (column blocks), where the project has it
-        from gemmax.engine.fastpath import prepare_params
-
-        params = prepare_params(params, config, loaded.policy)
-    except ImportError:
-        pass
-    run = Run("gemmax", loaded.policy.weights if dtype == "auto" else dtype, load_s=time.perf_counter() - start)
+    label = (loaded.policy.weights if dtype == "auto" else dtype) + (" + int8 LM head" if int8_lm_head else "")
+    run = Run("gemmax", label, load_s=time.perf_counter() - start)
 
     @functools.partial(jax.jit, donate_argnames=("cache",))
     def step(params, cache, tokens, start, num_new):  # one dispatch per token: forward + greedy pick
@@ -222,9 +218,9 @@ def main() -> int:
         runs["llama.cpp"] = run_llama_cpp(gguf, prompts, args.max_tokens, args.threads)
         gc.collect()
     if "gemmax" in wanted:
-        for dtype in ("auto", "float32"):
-            print(f"[gemmax] --dtype {dtype} ...", file=sys.stderr)
-            run = run_gemmax(prompts, args.max_tokens, dtype)
+        for dtype, int8_head in (("auto", False), ("auto", True), ("float32", False)):
+            print(f"[gemmax] --dtype {dtype}{' --int8-lm-head' if int8_head else ''} ...", file=sys.stderr)
+            run = run_gemmax(prompts, args.max_tokens, dtype, int8_head)
             runs[f"gemmax ({run.dtype})"] = run
             gc.collect()
 

@@ -214,3 +214,50 @@ def test_cache_export_import_round_trip(tmp_path):
     assert (restored / "sub" / "entry-b").read_bytes() == b"compiled-b"
     missing = runner.invoke(app, ["cache", "export", str(tmp_path / "x.tgz"), "--cache-dir", str(tmp_path / "none")])
     assert missing.exit_code != 0
+
+
+def test_chunked_long_prompt_samples_like_generate(engine, loaded):
+    """A prompt longer than the largest bucket prefills in 3 chunks; seeded sampling with a presence
+    penalty still equals the single-request path (chunks must not advance the sampling state)."""
+    prompt = tuple(int(t) for t in np.random.default_rng(5).integers(3, 128, 70))
+    sampling = SamplingParams(temperature=0.9, seed=21, presence_penalty=0.7)
+    result = engine.submit(GenerationRequest(prompt, 12, sampling, ignore_eos=True)).wait()
+    assert result.timings.prefill_bucket == 32 + 32 + 8
+    assert list(result.token_ids) == _reference(loaded, prompt, 12, sampling)
+
+
+def test_a_failing_prefill_fails_its_request_and_the_engine_keeps_serving(engine, loaded, monkeypatch):
+    original = engine._run_prefill
+
+    def broken(tokens, *args):
+        if tokens[0, 0] == 99:
+            raise RuntimeError("simulated device fault")
+        return original(tokens, *args)
+
+    monkeypatch.setattr(engine, "_run_prefill", broken)
+    failed = engine.submit(GenerationRequest((99, 3, 4), 5, ignore_eos=True)).wait()
+    assert failed.finish_reason == "error" and "simulated device fault" in failed.error
+    monkeypatch.setattr(engine, "_run_prefill", original)
+    ok = engine.submit(GenerationRequest((7, 3, 4), 5, ignore_eos=True)).wait()
+    assert ok.finish_reason == "length" and list(ok.token_ids) == _reference(loaded, (7, 3, 4), 5)
+    assert engine.ready
+
+
+def test_shutdown_ends_every_queued_and_running_request(hf_checkpoints):
+    loaded = load_model(str(hf_checkpoints["g4_plain"][0]), "float32")
+    eng = BatchEngine(loaded, max_model_len=64, max_batch=1, buckets=(8,)).start()
+    assert eng.wait_ready(300)
+    handles = [eng.submit(GenerationRequest((5, 6, 7), 60, ignore_eos=True)) for _ in range(3)]
+    next(iter(handles[0]))  # the first is running, the others wait for the only slot
+    eng.shutdown(drain_timeout=0)
+    results = [h.wait() for h in handles]
+    assert [r.finish_reason for r in results] == ["cancelled"] * 3
+    assert not eng.ready
+
+
+def test_kv_buckets_cover_max_model_len():
+    from gemmax.engine.engine import kv_buckets
+
+    assert kv_buckets(96) == (96,)
+    assert kv_buckets(2048) == (256, 1024, 2048)
+    assert kv_buckets(4096) == (256, 1024, 4096)

@@ -119,3 +119,22 @@ def test_padded_batch_rows_equal_each_prompt_alone(hf_checkpoints, name):
                            jnp.array([0]), jnp.array([len(prompt)]), config=ck.config)
         assert np.abs(np.asarray(exact)[0] - np.asarray(logits)[row]).max() <= TOL
         assert generate(ck.params, ck.config, prompt, 12, stop_ids=()) == batched_tokens[row]
+
+
+def test_kv_len_bound_reads_only_what_the_context_uses(hf_checkpoints):
+    """Decode reading only the first kv_len full-attention slots (the engine's KV-length buckets) gives
+    the logits of reading all max_len slots, across the ring's wrap-around."""
+    ck, _ = _load(hf_checkpoints, "g4_shared")
+    ids = np.random.default_rng(4).integers(0, ck.config.vocab_size, (2, 30))
+    outputs = {}
+    for kv_len in (None, 32):
+        cache = init_cache(ck.config, 2, 256)
+        logits, cache = forward(ck.params, cache, jnp.asarray(ids[:, :6], jnp.int32), jnp.zeros(2, jnp.int32),
+                                jnp.full(2, 6, jnp.int32), config=ck.config, kv_len=kv_len)
+        steps = [np.asarray(logits)]
+        for t in range(6, 30):
+            logits, cache = forward(ck.params, cache, jnp.asarray(ids[:, t : t + 1], jnp.int32), jnp.full(2, t, jnp.int32),
+                                    jnp.ones(2, jnp.int32), config=ck.config, kv_len=kv_len)
+            steps.append(np.asarray(logits))
+        outputs[kv_len] = np.stack(steps)
+    assert np.abs(outputs[None] - outputs[32]).max() <= 1e-5

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gemmax.server.detokenize import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher, TokenTable
-from gemmax.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, validation_message
+from gemmax.server.protocol import ChatCompletionRequest, validation_message
 from gemmax.tokenizer import load_tokenizer
 from tiny_checkpoint import BYTE_OFFSET, VOCAB_SIZE, write_tokenizer
 
@@ -135,9 +135,3 @@ def test_validation_message_has_no_pydantic_internals():
     assert message.startswith("temperature: ") and "-1" in message
     for leak in ("pydantic", "https://", "greater_than_equal", "ValidationError", "input_value"):
         assert leak not in message
-
-
-def test_logprob_bound_matches_the_sampler():
-    from gemmax.engine.sampling import MAX_TOP_LOGPROBS
-
-    assert MAX_LOGPROBS == MAX_TOP_LOGPROBS

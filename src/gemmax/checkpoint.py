@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemmax.config import ModelConfig
-from gemmax.params import Params, param_specs, tree_from_leaves
+from gemmax.params import Params, count_bytes, param_specs, tree_from_leaves
 
 # Prefixes of the text decoder in the layouts transformers writes, most specific first.
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -106,7 +106,7 @@ def build_params(
             value = transform(spec, value)
         del tensor
         leaves[spec.path] = value
-        kept_bytes += _nbytes(value)
+        kept_bytes += count_bytes(value)
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         raise CheckpointError(f"unexpected tensors in checkpoint: {shown}")
@@ -115,12 +115,6 @@ def build_params(
         shown = ", ".join(prefix + m for m in missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"missing tensors in checkpoint: {shown}")
     return tree_from_leaves(config, leaves), kept_bytes
-
-
-def _nbytes(value: Any) -> int:
-    import jax
-
-    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(value))
 
 
 def _text_prefix(names: list[str]) -> str:

@@ -89,11 +89,6 @@ class ModelConfig:
         windows = {spec.sliding_window for spec in self.layers if spec.sliding_window is not None}
         return windows.pop() if windows else None
 
-    @property
-    def producer_layers(self) -> tuple[int, ...]:
-        """Layers that write a KV cache (own or store); reuse layers read their donor's."""
-        return tuple(i for i, spec in enumerate(self.layers) if spec.owns_kv)
-
     @classmethod
     def from_hf_config(
         cls, hf: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None

@@ -37,6 +37,23 @@ from gemmax import quant
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
 GEMV_MAX_IN = 4095
 
+# Column blocks are a multiple of this many inputs (cache lines of bf16, SIMD-friendly widths).
+_BLOCK_ALIGN = 64
+
+
+def column_blocks(n_in: int, max_in: int = GEMV_MAX_IN) -> tuple[int, ...]:
+    """Widths of near-equal, 64-aligned column blocks of `n_in` inputs, each <= max_in, as few as alignment allows.
+
+    6144 -> (3072, 3072); 12288 -> (3072,) * 4; 4096 -> (2048, 2048); 8960 -> (3008, 3008, 2944).
+    """
+    if n_in <= max_in:
+        return (n_in,)
+    align = _BLOCK_ALIGN if max_in >= _BLOCK_ALIGN else 1
+    width = math.ceil(math.ceil(n_in / math.ceil(n_in / max_in)) / align) * align
+    width = min(width, max_in // align * align)
+    count = math.ceil(n_in / width)
+    return (width,) * (count - 1) + (n_in - width * (count - 1),)
+
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype (float32 accumulation)."""

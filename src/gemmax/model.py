@@ -154,6 +154,7 @@ class _Batch:
     new_pos: jax.Array  # [B, T] absolute positions of the new tokens
     new_valid: jax.Array  # [B, T] real (not padding) new tokens
     q_pos: jax.Array  # [B, Tq] positions of the queries still being computed
+    kv_len: int | None = None  # static: full-attention layers read only cache slots [0, kv_len)
 
 
 def _write_cache(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, batch: _Batch, spec: LayerSpec):
@@ -200,9 +201,12 @@ def _attention(
         k = apply_rope(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), batch.new_pos, inv_freq)
         if config.use_v_norm:
             v = rms_norm(v, None, config.rms_norm_eps)
-        cached_pos, cached_valid = _cached_key_positions(batch.start, cache_entry["k"].shape[1])
-        keys = jnp.concatenate([_read_cache(cache_entry, "k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
-        values = jnp.concatenate([_read_cache(cache_entry, "v", v.dtype), v], axis=1)
+        visible = cache_entry
+        if batch.kv_len is not None and not spec.sliding_window:  # slots >= kv_len hold nothing yet
+            visible = {name: value[:, : batch.kv_len] for name, value in cache_entry.items()}
+        cached_pos, cached_valid = _cached_key_positions(batch.start, visible["k"].shape[1])
+        keys = jnp.concatenate([_read_cache(visible, "k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
+        values = jnp.concatenate([_read_cache(visible, "v", v.dtype), v], axis=1)
         key_pos = jnp.concatenate([cached_pos, batch.new_pos], axis=1)
         key_valid = jnp.concatenate([cached_valid, batch.new_valid], axis=1)
         shared[layer_index] = (keys, values, key_pos, key_valid)
@@ -280,14 +284,17 @@ def forward(
     config: ModelConfig,
     precision: Precision = Precision(),
     logits: Literal["last", "all"] = "last",
+    kv_len: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Append tokens [B, T] (row b: its first num_new[b] are real, the rest padding) after start[b]
-    cached tokens. Returns (logits, new cache): logits [B, V] at each row's last real token
+    cached tokens. `kv_len` (static, >= every start[b]) bounds the full-attention cache slots read,
+    so attention costs what the context uses, not max_len. Returns (logits, new cache): logits [B, V]
+    at each row's last real token
     (`logits="last"`; rows with num_new 0 get garbage) or [B, T, V] (`"all"`)."""
     B, T = tokens.shape
     t = jnp.arange(T)[None, :]
     new_pos = start[:, None] + t
-    batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos)
+    batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len)
 
     h = embed(params, tokens, config, precision.activation)
     ple = per_layer_inputs(params, tokens, h, config) if config.hidden_size_per_layer_input else None
@@ -322,4 +329,4 @@ def forward(
 
 
 # The jitted forward for callers that do not wrap it in a larger jitted function.
-forward_jit = jax.jit(forward, static_argnames=("config", "precision", "logits"))
+forward_jit = jax.jit(forward, static_argnames=("config", "precision", "logits", "kv_len"))

@@ -300,8 +300,8 @@ def _pallas(x: jax.Array, blocks: tuple, interpret: bool) -> jax.Array:
 
 
 def packing_chunks(k: int) -> tuple[int, ...]:
-    """Widths of an int4 matrix's packing chunks: `fastpath.column_blocks(k)` (each <= 4095, even)."""
-    from gemmax.engine.fastpath import column_blocks
+    """Widths of an int4 matrix's packing chunks: `linear.column_blocks(k)` (each <= 4095, even)."""
+    from gemmax.linear import column_blocks
 
     widths = column_blocks(k)
     if any(w % 2 for w in widths):

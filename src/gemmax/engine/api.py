@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default bound)
 
 
 class PromptTooLong(ValueError):

@@ -8,6 +8,8 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
+    x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len): a
+                      step reads only the full-attention cache slots its context can use
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
@@ -46,7 +48,7 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
-from gemmax.engine.sampling import SamplingState, row_values, sample
+from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
 from gemmax.model import Precision, forward, init_cache
 
 log = logging.getLogger("gemmax.engine")
@@ -82,22 +84,35 @@ def _put_rows(tree, rows, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def prefill_step(params, cache, state, tokens, slot, start, num_new, want_logprobs, *, config, precision):
-    """Prefill one chunk [1, bucket] of slot `slot`; sample that row's next token from its last real one."""
+def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config, precision):
+    """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
+    no extra shape) sample the row's first token from its last real position; earlier chunks leave
+    the row's sampling state (step counter, penalty counts) untouched."""
     row_cache = _rows(cache, slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                 precision=precision)
-    row_state = _rows(state, slot)
-    ids, lp, top_ids, top_lp, row_state = sample(logits, row_state, want_logprobs[None])
+    old_state = _rows(state, slot)
+    ids, lp, top_ids, top_lp, new_state = sample(logits, old_state, want_logprobs[None])
+    row_state = jax.tree.map(lambda new, old: jnp.where(last_chunk, new, old), new_state, old_state)
     return _put_rows(cache, row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
-def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision):
+def kv_buckets(max_model_len: int) -> tuple[int, ...]:
+    """Static bounds on the full-attention cache slots a decode step reads: 256, 1024, 4096 ... (x4),
+    capped by and ending at max_model_len. Attention then costs what the context uses."""
+    buckets, size = [], 256
+    while size < max_model_len:
+        buckets.append(size)
+        size *= 4
+    return (*buckets, max_model_len)
+
+
+def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len):
     """One decode step for rows [B] of the given state. Rows with remaining == 0 are idle: they write
     nothing and keep their token, position and sampling state."""
     active = remaining > 0
     logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
-                            config=config, precision=precision)
+                            config=config, precision=precision, kv_len=kv_len)
     ids, lp, top_ids, top_lp, sampled = sample(logits, state, want_logprobs)
     state = jax.tree.map(lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
                          sampled, state)
@@ -106,14 +121,15 @@ def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, c
     return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision):
-    """One decode step for every slot (the engine's full-batch shape)."""
-    return _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision)
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
+def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision, kv_len=None):
+    """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position."""
+    return _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def decode_rows(params, cache, state, tokens, positions, remaining, want_logprobs, rows, *, config, precision):
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
+def decode_rows(params, cache, state, tokens, positions, remaining, want_logprobs, rows, *, config, precision,
+                kv_len=None):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
     on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
@@ -121,16 +137,13 @@ def decode_rows(params, cache, state, tokens, positions, remaining, want_logprob
     take = functools.partial(jax.tree.map, lambda a: a[rows])
     sub_cache, sub_state, ids, pos, rem, out = _decode(
         params, take(cache), take(state), tokens[rows], positions[rows], remaining[rows], want_logprobs[rows],
-        config, precision)
+        config, precision, kv_len)
     put = functools.partial(jax.tree.map, lambda a, sub: a.at[rows].set(sub))
     return (put(cache, sub_cache), put(state, sub_state), tokens.at[rows].set(ids), positions.at[rows].set(pos),
             remaining.at[rows].set(rem), out)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _set_row(state: SamplingState, slot, row: SamplingState) -> SamplingState:
-    """Write one request's sampling settings (a SamplingState of unbatched values) into slot `slot`."""
-    return jax.tree.map(lambda a, v: a.at[slot].set(v), state, row)
+_set_row = jax.jit(set_row, donate_argnums=0)  # one request's sampling settings into its slot
 
 
 @dataclasses.dataclass
@@ -174,6 +187,7 @@ class BatchEngine:
         self.steps_per_dispatch = steps_per_dispatch
         # Compiled decode group sizes: powers of two below the slot count, and the full batch.
         self.decode_groups = tuple(g for g in (1, 2, 4, 8, 16, 32, 64) if g < max_batch) + (max_batch,)
+        self.kv_buckets = kv_buckets(max_model_len)
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()
@@ -184,12 +198,14 @@ class BatchEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ Engine protocol
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self._closing and self.error is None
+        alive = self._thread is not None and self._thread.is_alive()
+        return self._ready.is_set() and not self._closing and self.error is None and alive
 
     @property
     def max_model_len(self) -> int:
@@ -201,6 +217,15 @@ class BatchEngine:
 
     @property
     def info(self) -> dict[str, Any]:
+        """Static facts (computed once warm-up is done; before that, from what is loaded so far)."""
+        if self._info is not None:
+            return self._info
+        info = self._describe()
+        if self._ready.is_set():
+            self._info = info
+        return info
+
+    def _describe(self) -> dict[str, Any]:
         policy = self.loaded.policy.observed(self.params, getattr(self, "cache", None))
         return {
             "model": self.loaded.name,
@@ -218,6 +243,7 @@ class BatchEngine:
             "prefill_buckets": list(self.buckets),
             "steps_per_dispatch": self.steps_per_dispatch,
             "decode_groups": list(self.decode_groups),
+            "kv_buckets": list(self.kv_buckets),
             "warmup": self.warmup_report,
         }
 
@@ -315,35 +341,42 @@ class BatchEngine:
                 self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
                 while self._slots[0] is not None:
                     self._decode_dispatch()
-            for size in self.decode_groups:  # every group shape, all rows idle (nothing is written)
-                self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32))
+            for size in self.decode_groups:  # every group x KV-length shape, all rows idle (nothing written)
+                for kv_len in self.kv_buckets:
+                    self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32),
+                                          kv_len)
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(self.buckets) + len(self.decode_groups)
+        shapes = len(self.buckets) + len(self.decode_groups) * len(self.kv_buckets)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
 
     # ------------------------------------------------------------------------------ device calls
-    def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, want_logprobs: bool):
+    def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
+                     want_logprobs: bool):
         before = prefill_step._cache_size()
         self.cache, self.state, out = prefill_step(
             self.params, self.cache, self.state, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start),
-            jnp.int32(num_new), jnp.bool_(want_logprobs), config=self.config, precision=self.precision)
+            jnp.int32(num_new), jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config,
+            precision=self.precision)
         return out, prefill_step._cache_size() != before
 
-    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None):
+    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
-        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`)."""
+        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`).
+        `kv_len` must cover every active row's position through the last of these steps."""
         outputs = []
         want = jnp.asarray(self.want_logprobs)
+        kv_len = kv_len or self.max_model_len
         for _ in range(steps):
             args = (self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want)
             if rows is None:
-                result = decode_step(*args, config=self.config, precision=self.precision)
+                result = decode_step(*args, config=self.config, precision=self.precision, kv_len=kv_len)
             else:
-                result = decode_rows(*args, jnp.asarray(rows, jnp.int32), config=self.config, precision=self.precision)
+                result = decode_rows(*args, jnp.asarray(rows, jnp.int32), config=self.config,
+                                     precision=self.precision, kv_len=kv_len)
             self.cache, self.state, self.tokens, self.positions, self.remaining, out = result
             outputs.append(out)
         return jax.device_get(outputs)
@@ -360,32 +393,55 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------------ scheduling
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not self._queue and all(s is None for s in self._slots):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                try:
+                    self._admit()
+                    self._reap_cancelled()
+                    if any(s is not None for s in self._slots):
+                        self._decode_dispatch()
+                except Exception as exc:  # a real fault: fail the running requests, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+        except BaseException as exc:  # the loop itself died: never report ready again
+            self.error = exc
+            log.exception("engine loop died")
+            raise
+        finally:  # every request ends with a result, also at shutdown
             with self._lock:
-                while not self._stop and not self._queue and all(s is None for s in self._slots):
-                    self._lock.wait()
-                if self._stop:
-                    return
-            try:
-                self._admit()
-                self._reap_cancelled()
-                if any(s is not None for s in self._slots):
-                    self._decode_dispatch()
-            except Exception as exc:  # a real fault: fail the running requests, keep serving
-                log.exception("engine step failed")
-                self._fail_all(exc)
+                queued = list(self._queue)
+                self._queue.clear()
+            for handle, submitted in queued:
+                self._finish_unstarted(handle, submitted)
+            for i, slot in enumerate(self._slots):
+                if slot is not None:
+                    self._finish(i, "cancelled" if self.error is None else "error")
 
     def _admit(self) -> None:
+        with self._lock:  # cancelled requests leave the queue at once, free slot or not
+            cancelled = [entry for entry in self._queue if entry[0].cancelled]
+            for entry in cancelled:
+                self._queue.remove(entry)
+        for handle, submitted in cancelled:
+            self._finish_unstarted(handle, submitted)
         while True:
             with self._lock:
                 free = [i for i, s in enumerate(self._slots) if s is None]
                 if not free or not self._queue:
                     return
                 handle, submitted = self._queue.popleft()
-            if handle.cancelled:
-                self._finish_unstarted(handle, submitted)
-                continue
-            self._prefill_into(free[0], handle, submitted)
+            try:
+                self._prefill_into(free[0], handle, submitted)
+            except Exception as exc:
+                # This request ends with the error; the loop's handler then fails the running ones
+                # and rebuilds the device state (a failed call may have consumed donated buffers).
+                self._finish_unstarted(handle, submitted, "error", f"{type(exc).__name__}: {exc}")
+                raise
 
     def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float) -> None:
         request = handle.request
@@ -395,14 +451,14 @@ class BatchEngine:
         slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
                      budget=min(request.max_tokens, self.max_model_len - len(prompt)),
                      submitted=submitted, admitted=admitted)
-        row = SamplingState(**row_values(request.sampling, prompt, self.config.vocab_size))
-        self.state = _set_row(self.state, jnp.int32(slot_index), row)
+        self.state = _set_row(self.state, jnp.int32(slot_index), row_values(request.sampling, prompt, self.config.vocab_size))
         want = request.logprobs is not None
         start = 0
-        for real, bucket in plan_chunks(len(prompt), self.buckets):
+        chunks = plan_chunks(len(prompt), self.buckets)
+        for index, (real, bucket) in enumerate(chunks):
             chunk = np.zeros((1, bucket), np.int32)
             chunk[0, :real] = prompt[start : start + real]
-            out, compiled = self._run_prefill(chunk, slot_index, start, real, want)
+            out, compiled = self._run_prefill(chunk, slot_index, start, real, index == len(chunks) - 1, want)
             slot.uncompiled |= compiled
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
@@ -421,7 +477,11 @@ class BatchEngine:
 
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
-        outputs = self._dispatch_decode(self.steps_per_dispatch, rows)
+        steps = self.steps_per_dispatch
+        # Every active row's cached length stays below its position + steps during this dispatch.
+        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
+        kv_len = next((b for b in self.kv_buckets if b >= furthest), self.max_model_len)
+        outputs = self._dispatch_decode(steps, rows, kv_len)
         slot_of = range(self.max_batch) if rows is None else rows
         now = time.perf_counter()
         for ids, lps, top_ids, top_lps, active in outputs:
@@ -459,6 +519,7 @@ class BatchEngine:
     def _finish(self, i: int, reason: str, stop_token: int | None = None, error: str | None = None) -> None:
         slot = self._slots[i]
         self.remaining = self.remaining.at[i].set(0)
+        self.want_logprobs[i] = False
         with self._lock:
             self._slots[i] = None
         first = slot.first_token_at or time.perf_counter()
@@ -482,12 +543,13 @@ class BatchEngine:
             token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
             timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error))
 
-    def _finish_unstarted(self, handle: RequestHandle, submitted: float) -> None:
+    def _finish_unstarted(self, handle: RequestHandle, submitted: float, reason: str = "cancelled",
+                          error: str | None = None) -> None:
         now = time.perf_counter()
         handle.finish(GenerationResult(
-            token_ids=(), finish_reason="cancelled", prompt_tokens=len(handle.request.prompt_ids),
+            token_ids=(), finish_reason=reason, prompt_tokens=len(handle.request.prompt_ids),
             timings=RequestTimings(now - submitted, 0.0, 0.0, 0.0, 0.0, 0, 0, False),
-            degeneracy=check_degeneracy(())))
+            degeneracy=check_degeneracy(()), error=error))
 
     def _fail_all(self, exc: Exception) -> None:
         for i, slot in enumerate(self._slots):

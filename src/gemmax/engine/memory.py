@@ -4,7 +4,8 @@ KV cache: exactly what `gemmax.model.init_cache` allocates. Only layers that own
 one (KV-sharing "reuse" layers read their donor's); each stores K and V of [slots, nkv, hd], with
 slots = max_len on full-attention layers and a ring of min(window, max_len) on sliding layers. Note
 that gemmax's ring keeps `window` slots (512 for Gemma 4 E2B) where transformers keeps window - 1
-(511): the query's own key is written before attention reads the ring. So for E2B (12 sliding + 3
+(511): a step attends over the ring plus its new keys and then writes them, so one slot holds a key
+that the step can no longer see (masked by position) and that the write replaces. So for E2B (12 sliding + 3
 full producers, bf16) the cache of one row of max_len N >= 512 is
 
     6144 * N + 12 * 512 * 1024 = 6 KiB per token + 6 MiB fixed,
@@ -80,11 +81,6 @@ def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int 
 def weight_bytes(config: ModelConfig, weight_dtype: Any = jnp.bfloat16) -> int:
     """Bytes of the params pytree in `weight_dtype` (norms float32), from shapes alone (no allocation)."""
     return count_bytes(abstract_params(config, weight_dtype))
-
-
-def _tree_bytes(tree: Any) -> int:
-    """Bytes of a subtree of arrays or ShapeDtypeStructs (a column-block tuple, a quantised leaf ...)."""
-    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def _rows(tree: Any) -> int:
@@ -329,11 +325,11 @@ def decode_traffic(
     """Bytes read by one decode step of `batch` rows at `context` tokens, from params (arrays or
     ShapeDtypeStructs, plain or prepared by `fastpath.prepare_params`)."""
     head = params.get("lm_head")
-    lm_head = _tree_bytes(head if head is not None else params["embed"])
+    lm_head = count_bytes(head if head is not None else params["embed"])
     gathered = 0
     for table in ("embed", "ple_embed"):
         if table in params:
-            gathered += batch * _tree_bytes(params[table]) // _rows(params[table])
+            gathered += batch * count_bytes(params[table]) // _rows(params[table])
     matrices = norms = 0
     model_level = {k: v for k, v in params.items() if k not in ("embed", "ple_embed", "lm_head", "layers")}
     for subtree in (model_level, params["layers"]):

@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.engine.api import SamplingParams
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+from gemmax.engine.api import MAX_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -117,13 +115,13 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array):
 
     def logprobs():
         lp = jax.nn.log_softmax(logits, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return jnp.take_along_axis(lp, ids[:, None], axis=1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     def no_logprobs():
         B = logits.shape[0]
-        return (jnp.zeros(B, jnp.float32), jnp.zeros((B, MAX_TOP_LOGPROBS), jnp.int32),
-                jnp.zeros((B, MAX_TOP_LOGPROBS), jnp.float32))
+        return (jnp.zeros(B, jnp.float32), jnp.zeros((B, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((B, MAX_LOGPROBS), jnp.float32))
 
     chosen_lp, top_ids, top_lp = jax.lax.cond(jnp.any(want_logprobs), logprobs, no_logprobs)
     rows = jnp.arange(logits.shape[0])

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; equals gemmax.engine.sampling.MAX_TOP_LOGPROBS
+from gemmax.engine.api import MAX_LOGPROBS
+
 MAX_N = 64  # choices per request (each one is an engine request)
 INT64 = 2**63
 

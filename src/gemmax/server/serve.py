@@ -2,7 +2,8 @@
 
 uvicorn binds at once, so `/health` answers 503 ("loading", then "warming") from the first second;
 `load()` (load weights, build and start the engine) runs in a thread and its engine is attached when
-it returns. If loading fails the server exits with status 1 and the error is logged. SIGTERM / Ctrl-C:
+it returns. If loading or the engine's warm-up fails the server exits with status 1 and the error is
+logged. SIGTERM / Ctrl-C:
 uvicorn stops accepting, waits up to `settings.drain_timeout` seconds for in-flight requests, then
 the app's shutdown drains and stops the engine, and the process exits with status 0.
 """
@@ -40,6 +41,15 @@ def serve(load: Callable[[], tuple[Any, Any]], settings: ServerSettings, host: s
             return
         state.attach(engine, tokenizer)
         log.info("model loaded; the engine is warming up (GET /health turns 200 when it is ready)")
+        wait_ready = getattr(engine, "wait_ready", None)
+        if wait_ready is None:
+            return
+        try:
+            wait_ready()
+        except BaseException as exc:  # warm-up failed: exit like a failed load, not a zombie 503
+            log.exception("engine warm-up failed")
+            state.fail(f"{type(exc).__name__}: {exc}")
+            server.should_exit = True
 
     threading.Thread(target=loader, name="gemmax-load", daemon=True).start()
     # uvicorn handles SIGTERM / SIGINT while it runs (graceful drain), then re-raises the signal into the
