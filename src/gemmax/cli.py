@@ -133,7 +133,7 @@ def fit(
     device_memory_gib: float = typer.Option(None, min=0.0, help="plan for this much device memory (default: the live device's)"),
     dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
-    prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: max_model_len)"),
+    prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: the engine's largest bucket)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
     quant=None,
 ) -> None:
@@ -141,6 +141,7 @@ def fit(
     against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
     import jax.numpy as jnp
 
+    from gemmax.engine.engine import prefill_buckets
     from gemmax.engine.memory import GiB, load_config, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -156,7 +157,8 @@ def fit(
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
-                       activation_dtype=DTYPES[p.activations], prefill_tokens=prefill_tokens, model=model,
+                       activation_dtype=DTYPES[p.activations],
+                       prefill_tokens=prefill_tokens or prefill_buckets(max_model_len)[-1], model=model,
                        weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:
