@@ -33,12 +33,12 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gemmax.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig  # noqa: E402
+from gemmax.config import E2B_SIX_LAYER_CONFIG, ModelConfig  # noqa: E402
 from gemmax.engine.fastpath import check_decode_hlo, prepare_params  # noqa: E402
 from gemmax.engine.memory import bytes_per_decode_step, measure_read_bandwidth  # noqa: E402
 from gemmax.engine.policy import device_policy  # noqa: E402
 from gemmax.model import Precision, forward, init_cache  # noqa: E402
-from gemmax.params import param_specs, tree_from_leaves  # noqa: E402
+from gemmax.params import random_params  # noqa: E402
 
 QUIET = 0.15  # other processes' share of all cores below which a sample counts as quiet
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -147,24 +147,6 @@ def run_forms(rounds: int, batches: list[int]) -> dict:
 # ------------------------------------------------------------------------------------------- decode
 
 
-def e2b_six_layers() -> ModelConfig:
-    return ModelConfig.from_hf_config({
-        **E2B_TEXT_CONFIG, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
-        "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
-    })
-
-
-def random_bf16_params(config: ModelConfig, seed: int = 0):
-    """N(0, 1/fan_in) bf16 matrices and tables, norms near 1 (jax.random: faster than numpy here)."""
-    key, leaves = jax.random.key(seed), {}
-    for i, spec in enumerate(param_specs(config)):
-        k = jax.random.fold_in(key, i)
-        if spec.kind in ("norm", "scalar"):
-            leaves[spec.path] = 1.0 + 0.1 * jax.random.normal(k, spec.shape, F32)
-        else:
-            fan_in = spec.shape[-1] if spec.kind == "matrix" else 1
-            leaves[spec.path] = jax.random.normal(k, spec.shape, BF16) * jnp.asarray(fan_in**-0.5, BF16)
-    return tree_from_leaves(config, leaves)
 
 
 def naive_linear(x, w):
@@ -176,8 +158,8 @@ def run_decode(rounds: int, batches: list[int], context: int, max_len: int, kv_d
                steps: int) -> dict:
     import gemmax.model as model
 
-    config = e2b_six_layers()
-    plain = random_bf16_params(config)
+    config = ModelConfig.from_hf_config(E2B_SIX_LAYER_CONFIG)
+    plain = random_params(config, weight_dtype=jnp.bfloat16)
     prepared = prepare_params(plain, config, device_policy())
     variants = [("fast", prepared, None)] + ([("naive", plain, naive_linear)] if naive else [])
     cases = {}

@@ -27,22 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def e2b_shaped_config(num_layers: int = 6) -> dict:
-    from gemmax.config import E2B_TEXT_CONFIG
-
-    # E2B's 4:1 pattern and its KV sharing, shortened: producers S S S F, consumers S F.
-    return {**E2B_TEXT_CONFIG, "num_hidden_layers": num_layers,
-            "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL], "num_kv_shared_layers": 2}
-
 
 def build_checkpoint(directory: Path) -> None:
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    hf = {k: v for k, v in e2b_shaped_config().items() if k != "model_type"}
+    from gemmax.config import E2B_SIX_LAYER_CONFIG
+
+    hf = {k: v for k, v in E2B_SIX_LAYER_CONFIG.items() if k != "model_type"}
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(Gemma4TextConfig(**hf, attn_implementation="sdpa")).eval()
     model.to(torch.bfloat16).save_pretrained(directory)

@@ -36,14 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemmax import quant as Q
-from gemmax.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
+from gemmax.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
 from gemmax.engine.engine import decode_step
 from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
 from gemmax.engine.sampling import SamplingState
 from gemmax.linear import GEMV_MAX_IN, linear
 from gemmax.model import Precision, forward, init_cache
-from gemmax.params import count_bytes, param_specs, tree_from_leaves
+from gemmax.params import count_bytes, random_params
 
 OPTIONS = {
     "none": Q.QuantOptions(),
@@ -67,24 +67,6 @@ TEXT = (
 _forward = jax.jit(forward, static_argnames=("config", "precision", "logits"))
 
 
-def e2b_six_layers() -> ModelConfig:
-    return ModelConfig.from_hf_config({
-        **E2B_TEXT_CONFIG, "use_bidirectional_attention": None, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
-        "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
-    })
-
-
-def random_bf16_params(config: ModelConfig, seed: int = 0):
-    """N(0, 1/fan_in) bf16 matrices and tables, norms near 1 (jax.random: fast, no float32 copy)."""
-    key, leaves = jax.random.key(seed), {}
-    for i, spec in enumerate(param_specs(config)):
-        k = jax.random.fold_in(key, i)
-        if spec.kind in ("norm", "scalar"):
-            leaves[spec.path] = 1.0 + 0.1 * jax.random.normal(k, spec.shape, jnp.float32)
-        else:
-            fan_in = spec.shape[-1] if spec.kind == "matrix" else 1
-            leaves[spec.path] = jax.random.normal(k, spec.shape, jnp.bfloat16) * jnp.asarray(fan_in**-0.5, jnp.bfloat16)
-    return tree_from_leaves(config, leaves)
 
 
 def teacher_forced(params, config: ModelConfig, tokens: list[int], kv_dtype) -> np.ndarray:
@@ -200,8 +182,8 @@ def quantized(params, config, options: Q.QuantOptions, policy):
 
 
 def bench_e2b(names: list[str], args, policy) -> list[dict]:
-    config = e2b_six_layers()
-    base = random_bf16_params(config)
+    config = ModelConfig.from_hf_config(E2B_SIX_LAYER_CONFIG)
+    base = random_params(config, weight_dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(3, config.vocab_size, args.quality_tokens)]
     rows, reference = [], None

@@ -377,3 +377,12 @@ E2B_TEXT_CONFIG: dict[str, Any] = {
     "bos_token_id": 2,
     "eos_token_id": [1, 106],
 }
+
+# The benchmark model of benchmarks/ and the docs: E2B's shapes with 6 layers instead of 35, keeping its
+# 4:1-like mix and KV sharing (producers S S S F, consumers S F; double-wide MLP on the consumers).
+E2B_SIX_LAYER_CONFIG: dict[str, Any] = {
+    **E2B_TEXT_CONFIG,
+    "num_hidden_layers": 6,
+    "num_kv_shared_layers": 2,
+    "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
+}

@@ -120,14 +120,15 @@ def count_bytes(tree: Params) -> int:
 
 
 def random_params(config: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float32) -> Params:
-    """Random weights for benchmarks and shape tests (norms near 1 so activations stay sane)."""
-    rng = np.random.default_rng(seed)
-    leaves = {}
-    for spec in param_specs(config):
+    """Random weights for benchmarks and shape tests: N(0, 1/fan_in) matrices and tables drawn directly
+    in `weight_dtype` (no float32 copy of a large table), norms and scalars N(1, 0.1) in float32."""
+    key, leaves = jax.random.key(seed), {}
+    for i, spec in enumerate(param_specs(config)):
+        k = jax.random.fold_in(key, i)
         if spec.kind in ("norm", "scalar"):
-            value = rng.normal(1.0, 0.1, spec.shape).astype(np.float32)
+            leaves[spec.path] = 1.0 + 0.1 * jax.random.normal(k, spec.shape, jnp.float32)
         else:
             fan_in = spec.shape[-1] if spec.kind == "matrix" else 1
-            value = (rng.standard_normal(spec.shape, dtype=np.float32) * fan_in**-0.5).astype(np.float32)
-        leaves[spec.path] = jnp.asarray(value, spec.dtype(weight_dtype))
+            dtype = spec.dtype(weight_dtype)
+            leaves[spec.path] = jax.random.normal(k, spec.shape, dtype) * jnp.asarray(fan_in**-0.5, dtype)
     return tree_from_leaves(config, leaves)
