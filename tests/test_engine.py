@@ -261,3 +261,22 @@ def test_kv_buckets_cover_max_model_len():
     assert kv_buckets(96) == (96,)
     assert kv_buckets(2048) == (256, 1024, 2048)
     assert kv_buckets(4096) == (256, 1024, 4096)
+
+
+def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
+    """max_model_len 600: KV buckets (256, 600); a 300-token prompt prefills in chunks of 128 whose later
+    starts read the 600 bucket, and decode crosses from the 256 to the 600 bucket. Every request's
+    tokens equal the solo path and nothing compiles after warm-up."""
+    loaded = load_model(str(hf_checkpoints["g4_plain"][0]), "float32")
+    eng = BatchEngine(loaded, max_model_len=600, max_batch=2, buckets=(16, 128), steps_per_dispatch=4).start()
+    try:
+        assert eng.wait_ready(300)
+        assert eng.kv_buckets == (256, 600)
+        prompts = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (300, 250)]
+        handles = [eng.submit(GenerationRequest(p, 20, ignore_eos=True)) for p in prompts]
+        for prompt, handle in zip(prompts, handles, strict=True):
+            result = handle.wait()
+            assert not result.timings.uncompiled_shape
+            assert list(result.token_ids) == _reference(loaded, prompt, 20)
+    finally:
+        eng.shutdown(1)

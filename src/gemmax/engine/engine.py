@@ -8,8 +8,9 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
-    x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len): a
-                      step reads only the full-attention cache slots its context can use
+    x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len), and
+                      each prefill shape per bucket its chunk start can need: a step reads only the
+                      full-attention cache slots its context can use
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
@@ -83,14 +84,15 @@ def _put_rows(tree, rows, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache", "state"))
-def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config, precision):
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
+def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config, precision,
+                 kv_len=None):
     """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
     no extra shape) sample the row's first token from its last real position; earlier chunks leave
     the row's sampling state (step counter, penalty counts) untouched."""
     row_cache = _rows(cache, slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
-                                precision=precision)
+                                precision=precision, kv_len=kv_len)
     old_state = _rows(state, slot)
     ids, lp, top_ids, top_lp, new_state = sample(logits, old_state, want_logprobs[None])
     row_state = jax.tree.map(lambda new, old: jnp.where(last_chunk, new, old), new_state, old_state)
@@ -341,6 +343,11 @@ class BatchEngine:
                 self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
                 while self._slots[0] is not None:
                     self._decode_dispatch()
+            # Chunks after the first (prompts longer than the largest bucket) start at multiples of it
+            # and read a larger KV bucket: compile those prefill shapes too (a 1-token dummy chunk).
+            for start in self._later_chunk_starts():
+                for bucket in self.buckets:
+                    self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
             for size in self.decode_groups:  # every group x KV-length shape, all rows idle (nothing written)
                 for kv_len in self.kv_buckets:
                     self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32),
@@ -348,19 +355,32 @@ class BatchEngine:
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(self.buckets) + len(self.decode_groups) * len(self.kv_buckets)
+        shapes = len(self.buckets) * (1 + len(self._later_chunk_starts())) + len(self.decode_groups) * len(self.kv_buckets)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
 
     # ------------------------------------------------------------------------------ device calls
+    def _later_chunk_starts(self) -> list[int]:
+        """One chunk start per KV bucket that chunks after the first can read (chunks start at
+        multiples of the largest prefill bucket)."""
+        starts: dict[int, int] = {}
+        for start in range(self.buckets[-1], self.max_model_len - 1, self.buckets[-1]):
+            starts.setdefault(self._kv_bound(start), start)
+        starts.pop(self._kv_bound(0), None)
+        return sorted(starts.values())
+
+    def _kv_bound(self, tokens: int) -> int:
+        """The smallest KV-length bucket that holds `tokens` cached positions."""
+        return next((b for b in self.kv_buckets if b >= tokens), self.max_model_len)
+
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool):
         before = prefill_step._cache_size()
         self.cache, self.state, out = prefill_step(
             self.params, self.cache, self.state, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start),
             jnp.int32(num_new), jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config,
-            precision=self.precision)
+            precision=self.precision, kv_len=self._kv_bound(start))
         return out, prefill_step._cache_size() != before
 
     def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
@@ -480,7 +500,7 @@ class BatchEngine:
         steps = self.steps_per_dispatch
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
-        kv_len = next((b for b in self.kv_buckets if b >= furthest), self.max_model_len)
+        kv_len = self._kv_bound(furthest)
         outputs = self._dispatch_decode(steps, rows, kv_len)
         slot_of = range(self.max_batch) if rows is None else rows
         now = time.perf_counter()

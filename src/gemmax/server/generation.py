@@ -428,7 +428,9 @@ async def stream(job: Job) -> AsyncIterator[str]:
                 yield sse(chunk(choice, tail, finish=True))
             elif not choice.stopped:  # (a choice that hit a stop string is drained silently)
                 text = choice.on_token(event)
-                if text or choice.index not in started:
+                # With return_token_ids every token goes out at once (vLLM does the same), even while
+                # its text is held back (a partial UTF-8 character or a possible stop string).
+                if text or choice.index not in started or req.return_token_ids:
                     yield sse(chunk(choice, text, finish=False))
         if req.include_usage:
             yield sse({**job.header(obj), "choices": [], "usage": job.usage()})
