@@ -146,6 +146,15 @@ def _refuse(hf: Mapping[str, Any], checks: Mapping[str, Any]) -> None:
             raise ConfigError(f"unsupported config: {field}={value!r} changes the model and gemmax does not implement it")
 
 
+# Values gemmax supports for fields both families carry (anything else changes the math).
+_SUPPORTED_BY_BOTH: dict[str, Any] = {
+    "use_bidirectional_attention": lambda v: v in (None, False),
+    "attention_bias": False,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+
+
 def _layer_types(hf: Mapping[str, Any], num_layers: int, pattern: int) -> list[str]:
     types = hf.get("layer_types")
     if types is None:
@@ -198,16 +207,7 @@ def _kv_sharing(types: list[str], num_shared: int) -> tuple[list[str], list[int]
 
 
 def _parse_gemma4(hf: Mapping[str, Any]) -> ModelConfig:
-    _refuse(
-        hf,
-        {
-            "enable_moe_block": False,
-            "use_bidirectional_attention": lambda v: v in (None, False),
-            "attention_bias": False,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "tie_word_embeddings": True,
-        },
-    )
+    _refuse(hf, {"enable_moe_block": False, **_SUPPORTED_BY_BOTH})
     num_layers = int(hf["num_hidden_layers"])
     types = _layer_types(hf, num_layers, pattern=6)
     types[-1] = FULL  # transformers forces the last layer to full attention
@@ -281,16 +281,7 @@ def _parse_gemma4(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def _parse_gemma3(hf: Mapping[str, Any]) -> ModelConfig:
-    _refuse(
-        hf,
-        {
-            "attn_logit_softcapping": None,
-            "use_bidirectional_attention": lambda v: v in (None, False),
-            "attention_bias": False,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "tie_word_embeddings": True,
-        },
-    )
+    _refuse(hf, {"attn_logit_softcapping": None, **_SUPPORTED_BY_BOTH})
     num_layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
     types = _layer_types(hf, num_layers, pattern=pattern)
