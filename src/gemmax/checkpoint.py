@@ -129,6 +129,25 @@ def _is_unused_shared_kv(short: str, reuse_layers: set[int]) -> bool:
     return bool(match) and int(match.group(1)) in reuse_layers and match.group(2) in UNUSED_SHARED_KV
 
 
+# A Hugging Face hub id: owner/name.
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def hub_fetch(model: str, fetch: Callable[..., str], what: str) -> Path:
+    """Run a huggingface_hub fetch (`fetch(local_files_only=...)`) from the cache first, then online;
+    a CheckpointError that says so when neither has it."""
+    try:
+        return Path(fetch(local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(fetch(local_files_only=False))
+    except Exception as exc:  # offline, gated, missing
+        raise CheckpointError(
+            f"{what} {model!r} is not in the Hugging Face cache and could not be downloaded ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """A local directory as is; otherwise a hub id resolved through huggingface_hub's cache / download."""
     path = Path(model).expanduser()
@@ -136,21 +155,12 @@ def resolve_model_dir(model: str | Path) -> Path:
         return path
     if path.suffix == ".gguf" or path.exists():
         raise CheckpointError(f"{model} is not a checkpoint directory")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+    if not HUB_ID.fullmatch(str(model)):
         raise CheckpointError(f"model {model!r} is neither a local directory nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-    try:
-        return Path(snapshot_download(str(model), allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(str(model), allow_patterns=patterns))
-    except Exception as exc:  # offline, gated, missing
-        raise CheckpointError(
-            f"model {model!r} is not in the Hugging Face cache and could not be downloaded ({type(exc).__name__}: {exc})"
-        ) from exc
+    return hub_fetch(str(model), lambda **kw: snapshot_download(str(model), allow_patterns=patterns, **kw), "model")
 
 
 def load_checkpoint(

@@ -126,9 +126,9 @@ def load_config(model: str) -> ModelConfig:
     a `config.json` file, a `.gguf` file (metadata only) or a hub id (its cached `config.json`, or
     just that file downloaded when online)."""
     import json
-    import re
     from pathlib import Path
 
+    from gemmax.checkpoint import HUB_ID, hub_fetch
     from gemmax.config import ConfigError
 
     path = Path(model).expanduser()
@@ -140,20 +140,12 @@ def load_config(model: str) -> ModelConfig:
         return open_gguf(path).config
     if path.is_file():
         return ModelConfig.from_hf_config(json.loads(path.read_text()))
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+    if not HUB_ID.fullmatch(model):
         raise ConfigError(f"model {model!r} is neither a local directory, a config.json, a .gguf nor a hub id")
     from huggingface_hub import hf_hub_download
 
-    try:
-        file = hf_hub_download(model, "config.json", local_files_only=True)
-    except Exception:
-        try:
-            file = hf_hub_download(model, "config.json")
-        except Exception as exc:  # offline, gated, missing
-            raise ConfigError(
-                f"no cached config.json for {model!r} and it could not be downloaded ({type(exc).__name__}: {exc})"
-            ) from exc
-    return ModelConfig.from_hf_config(json.loads(Path(file).read_text()))
+    file = hub_fetch(model, lambda **kw: hf_hub_download(model, "config.json", **kw), "config.json of")
+    return ModelConfig.from_hf_config(json.loads(file.read_text()))
 
 
 class MemoryPlanError(RuntimeError):

@@ -45,8 +45,10 @@ from pydantic import BaseModel, Field
 
 from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
-State = Literal["ready", "loading", "unreachable", "dead"]
+# gemmax.checkpoint.HUB_ID, restated: importing the checkpoint layer would pull JAX into the MCP process.
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+State = Literal["ready", "loading", "unreachable", "dead"]
 NAME = re.compile(r"[\w.-]{1,100}")  # also the log file's name
 LOG_TAIL_ON_ERROR = 40
 
