@@ -16,7 +16,7 @@ init, `eval_shape` checks and byte counting all derive from `param_specs`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -101,6 +101,19 @@ def tree_from_leaves(config: ModelConfig, leaves: Mapping[tuple[str | int, ...],
             params[path[0]] = value
     params["layers"] = tuple(layers)
     return params
+
+
+def map_params(params: Params, config: ModelConfig, fn: Callable[[ParamSpec, Any], Any]) -> Params:
+    """The tree rebuilt with fn(spec, stored form) for every declared parameter; keys that are not
+    declared parameters (e.g. a separate "lm_head" form) are carried over unchanged."""
+    leaves = {}
+    for spec in param_specs(config):
+        value: Any = params
+        for key in spec.path:
+            value = value[key]
+        leaves[spec.path] = fn(spec, value)
+    rebuilt = tree_from_leaves(config, leaves)
+    return {**rebuilt, **{key: params[key] for key in set(params) - set(rebuilt)}}
 
 
 def abstract_params(config: ModelConfig, weight_dtype: Any = jnp.bfloat16) -> Params:

@@ -446,16 +446,10 @@ class Quantizer:
 
 def quantize_params(params: dict[str, Any], config, options: QuantOptions, kernel: str = "xla") -> dict[str, Any]:
     """Quantise loaded params (arrays, or ShapeDtypeStructs under `jax.eval_shape`)."""
-    from gemmax.params import param_specs, tree_from_leaves
+    from gemmax.params import map_params
 
     quantizer = Quantizer.for_config(options, config, kernel)
-    leaves = {}
-    for spec in param_specs(config):
-        value: Any = params
-        for key in spec.path:
-            value = value[key]
-        leaves[spec.path] = quantizer.transform(spec, value)
-    return quantizer.finish(tree_from_leaves(config, leaves))
+    return quantizer.finish(map_params(params, config, quantizer.transform))
 
 
 # ------------------------------------------------------------------------------------------- device plan

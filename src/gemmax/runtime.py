@@ -7,9 +7,10 @@ import dataclasses
 import logging
 
 from gemmax.checkpoint import Checkpoint, load_checkpoint
+from gemmax.config import ModelConfig
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.memory import load_config
-from gemmax.engine.policy import DevicePolicy, device_policy
+from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.params import count_bytes
 from gemmax.quant import QuantOptions
 from gemmax.quant import resolve as resolve_quant
@@ -26,26 +27,31 @@ class LoadedModel:
     name: str
 
 
+def resolve_policy(dtype: str | None, quant: QuantOptions, config: ModelConfig | None):
+    """The device policy with the quantisation plan folded in (kernels picked for this device, the
+    W4A16 tiles checked from the config alone), logged as the first line. Returns (policy, plan)."""
+    policy = device_policy(dtype)
+    plan = resolve_quant(quant, policy.platform, policy.compute_capability, config)
+    policy = dataclasses.replace(policy, quant=plan.options,
+                                 kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
+    log_policy(policy)
+    if plan.note:
+        log.info("%s", plan.note)
+    return policy, plan
+
+
 def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
     `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
     and the W4A16 Pallas tiles are checked against the device before any weight is read."""
     quant = quant or QuantOptions()
-    policy = device_policy(dtype)
     if model is None:
         from gemmax.builtin import default_model_path
 
         model = str(default_model_path())
     quantizes = quant.changes_weights
     config = load_config(model) if quantizes else None  # shapes only: no weight is read yet
-    plan = resolve_quant(quant, policy.platform, policy.compute_capability, config)
-    policy = dataclasses.replace(policy, quant=plan.options,
-                                 kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
-    log.info(policy.log_line())
-    if policy.warning:
-        log.warning("WARNING: %s", policy.warning)
-    if plan.note:
-        log.info("%s", plan.note)
+    policy, plan = resolve_policy(dtype, quant, config)
     quantizer = plan.quantizer(config) if quantizes else None
     checkpoint = load_checkpoint(model, weight_dtype=policy.weight_dtype,
                                  transform=None if quantizer is None else quantizer.transform)

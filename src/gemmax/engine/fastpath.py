@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 
 from gemmax.config import ModelConfig
 from gemmax.linear import GEMV_MAX_IN, column_blocks
-from gemmax.params import Params, param_specs, tree_from_leaves
+from gemmax.params import Params, map_params
 
 
 def split_columns(w: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -50,22 +49,12 @@ def prepare_params(params: Params, config: ModelConfig, policy, max_in: int = GE
     """
     if policy.platform != "cpu":
         return params
-    leaves = {}
-    for spec in param_specs(config):
-        value = _get(params, spec.path)
+    def split(spec, value):
         if spec.kind == "matrix" and not isinstance(value, tuple) and value.shape[-1] > max_in:
-            value = split_columns(value, column_blocks(value.shape[-1], max_in))
-        leaves[spec.path] = value
-    prepared = tree_from_leaves(config, leaves)
-    extra = set(params) - set(prepared)  # e.g. a separate "lm_head" form added by a quantiser
-    return {**prepared, **{key: params[key] for key in extra}}
+            return split_columns(value, column_blocks(value.shape[-1], max_in))
+        return value
 
-
-def _get(params: Params, path: tuple[str | int, ...]) -> Any:
-    node: Any = params
-    for key in path:
-        node = node[key]
-    return node
+    return map_params(params, config, split)  # a separate "lm_head" form (quantiser) is kept as is
 
 
 # ------------------------------------------------------------------------------- compiled HLO check

@@ -13,7 +13,6 @@ model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -29,7 +28,7 @@ from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.sampling import SamplingState
 from gemmax.model import Precision, init_cache
-from gemmax.params import Params, param_specs, tree_from_leaves
+from gemmax.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
 from gemmax.profile.report import OTHER, SCHEMA
@@ -65,17 +64,13 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
             raise ValueError("--random-weights needs --model (a directory, config.json, .gguf or hub id)")
         from gemmax.engine.fastpath import prepare_params
         from gemmax.engine.memory import load_config
-        from gemmax.engine.policy import device_policy, log_policy
         from gemmax.params import random_params
-        from gemmax.quant import QuantOptions, quantize_params, resolve
+        from gemmax.quant import QuantOptions, quantize_params
+        from gemmax.runtime import resolve_policy
 
         quant = quant or QuantOptions()
-        policy = device_policy(dtype)
         config = load_config(model)
-        plan = resolve(quant, policy.platform, policy.compute_capability, config)
-        policy = dataclasses.replace(policy, quant=plan.options,
-                                     kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
-        log_policy(policy)
+        policy, plan = resolve_policy(dtype, quant, config)
         params = random_params(config, 0, policy.weight_dtype)
         if quant.changes_weights:
             params = quantize_params(params, config, plan.options, plan.kernel)
@@ -93,14 +88,8 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
 
 def plain_layout(params: Params, config: ModelConfig) -> Params:
     """Params with every column-blocked matrix (`fastpath.prepare_params`) joined back into one [out, in]."""
-    leaves = {}
-    for spec in param_specs(config):
-        value: Any = params
-        for key in spec.path:
-            value = value[key]
-        leaves[spec.path] = jnp.concatenate(value, axis=-1) if isinstance(value, tuple) else value
-    joined = tree_from_leaves(config, leaves)
-    return {**joined, **{key: params[key] for key in set(params) - set(joined)}}
+    return map_params(params, config,
+                      lambda _, value: jnp.concatenate(value, axis=-1) if isinstance(value, tuple) else value)
 
 
 def profile_decode(
