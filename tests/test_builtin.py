@@ -44,8 +44,9 @@ def _generate(dtype: str) -> tuple[list[int], str]:
 
 
 def test_generate_without_model_runs_the_builtin_gemma3_270m():
-    """One process: the float32 run must equal transformers' 32 tokens; the default policy (bf16
-    weights on CPU) must agree with transformers and llama.cpp on the first 11, before the near-ties."""
+    """One process: the float32 run must equal transformers' 32 tokens; the default (on CPU: bf16, and
+    int8 layers and LM head by `--quant auto` since the file is stored quantised) must agree with
+    transformers and llama.cpp on the first 11, before the near-ties."""
     ids, text = _generate("float32")
     assert ids == HF_FLOAT32
     assert text.startswith(" the capital of the country of France. It is the largest city in France")

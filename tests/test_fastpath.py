@@ -17,6 +17,7 @@ from gemmax.engine.fastpath import (
     GATHER,
     GEMM,
     GEMV,
+    cache_rewrites,
     check_decode_hlo,
     column_blocks,
     decode_weight_reads,
@@ -172,9 +173,11 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
     state = jax.eval_shape(lambda: SamplingState.empty(batch, config.vocab_size))
     ints = [jax.ShapeDtypeStruct((batch,), jnp.int32)] * 3
     hlo = decode_step.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), config=config,
-                            precision=precision).compile().as_text()
+                            precision=precision, kv_len=256).compile().as_text()
     assert check_decode_hlo(hlo, batch) == []
     assert GEMV in decode_weight_reads(hlo)["params['embed']"] or batch > 1
+    # The bf16 cache is written in place: no step converts or copies a whole cache array.
+    assert cache_rewrites(hlo, _cache_shapes(cache)) == []
 
 
 def test_engine_small_group_decode_gets_the_fast_path(six_layers):
@@ -191,3 +194,8 @@ def test_engine_small_group_decode_gets_the_fast_path(six_layers):
                             jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
                             precision=precision).compile().as_text()
     assert check_decode_hlo(hlo, 1) == []
+    assert cache_rewrites(hlo, _cache_shapes(cache)) == []
+
+
+def _cache_shapes(cache) -> list[tuple[int, ...]]:
+    return sorted({leaf.shape for leaf in jax.tree.leaves(cache) if len(leaf.shape) == 4})

@@ -215,3 +215,24 @@ def test_missing_tensor_and_non_gguf_are_refused(hf_checkpoints, tmp_path):
     with pytest.raises(GGUFError, match="not a readable GGUF"):
         load_gguf(tmp_path / "fake.gguf")
     assert load_checkpoint(path, weight_dtype=jnp.float32).config.family == "gemma3"  # dispatch by suffix
+
+
+def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
+    """`--quant auto` (the CLI default): a GGUF whose matrices are stored at 8 bits (Q8_0) loads as int8
+    layers and an int8 LM head; a float GGUF, an HF directory, or an explicit --dtype load unquantised."""
+    from gemmax.quant import Int8Weight, QuantOptions
+    from gemmax.runtime import load_model, quantized_source
+
+    directory, _ = hf_checkpoints["g3_small"]
+    q8 = write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    bf16 = write_gguf(directory, tmp_path / "bf16.gguf", gguf.GGMLQuantizationType.BF16)
+    assert quantized_source(str(q8)) and not quantized_source(str(bf16)) and not quantized_source(str(directory))
+    auto = QuantOptions(quant="auto")
+    loaded = load_model(str(q8), None, auto)
+    assert (loaded.policy.quant.quant, loaded.policy.quant.int8_lm_head) == ("int8", True)
+    layer = loaded.checkpoint.params["layers"][0]
+    assert isinstance(layer["q"], Int8Weight) and isinstance(loaded.checkpoint.params["lm_head"], Int8Weight)
+    for model, dtype in ((str(q8), "float32"), (str(bf16), None), (str(directory), None)):
+        plain = load_model(model, dtype, auto)
+        assert plain.policy.quant.quant == "none" and not plain.policy.quant.int8_lm_head
+        assert plain.checkpoint.params["layers"][0]["q"].dtype in (jnp.float32, jnp.bfloat16)

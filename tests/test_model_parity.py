@@ -138,3 +138,22 @@ def test_kv_len_bound_reads_only_what_the_context_uses(hf_checkpoints):
             steps.append(np.asarray(logits))
         outputs[kv_len] = np.stack(steps)
     assert np.abs(outputs[None] - outputs[32]).max() <= 1e-5
+
+
+def test_tightest_kv_len_also_bounds_sliding_rings_before_they_wrap(hf_checkpoints):
+    """kv_len = cached tokens + 1 at every step (tighter than any engine bucket): while kv_len is below
+    a sliding layer's ring the ring is read only up to kv_len too; the logits equal reading every slot,
+    before, at and after the ring wraps round (window 4, 9 tokens)."""
+    ck, _ = _load(hf_checkpoints, "g4_shared")
+    assert ck.config.sliding_window == 4
+    ids = np.random.default_rng(5).integers(0, ck.config.vocab_size, (2, 9))
+    outputs = {}
+    for bound in (False, True):
+        cache = init_cache(ck.config, 2, 64)
+        steps = []
+        for t in range(9):
+            logits, cache = forward(ck.params, cache, jnp.asarray(ids[:, t : t + 1], jnp.int32), jnp.full(2, t, jnp.int32),
+                                    jnp.ones(2, jnp.int32), config=ck.config, kv_len=t + 1 if bound else None)
+            steps.append(np.asarray(logits))
+        outputs[bound] = np.stack(steps)
+    assert np.abs(outputs[False] - outputs[True]).max() <= 1e-5

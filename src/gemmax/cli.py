@@ -31,7 +31,7 @@ def _parse_ids(text: str) -> list[int]:
 # profile. `with_quant_options` adds these parameters to a command, which receives them as one
 # `quant` argument (a gemmax.quant.QuantOptions).
 _QUANT_OPTIONS = {
-    "quant": (str, typer.Option("none", help="linear layers: none, int8 (per output channel), w4a16 (int4, group-wise scales)")),
+    "quant": (str, typer.Option("auto", help="linear layers: none, int8 (per output channel), w4a16 (int4, group-wise scales); auto: int8 layers and LM head for a checkpoint stored quantised (a Q4_K_M / Q8_0 GGUF, the built-in model) unless --dtype is given, else none")),
     "ple_bits": (int, typer.Option(16, help="per-layer embedding table: 16 (as loaded), 8 or 4 bits")),
     "int8_lm_head": (bool, typer.Option(False, "--int8-lm-head", help="int8 copy of the tied embedding for the LM head's matmul (the gather keeps its precision)")),
     "kv_cache_dtype": (str, typer.Option("auto", help="KV cache: auto (device policy) or int8 (per-position, per-head scales)")),
@@ -152,8 +152,10 @@ def fit(
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
     from gemmax.quant import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
+    from gemmax.runtime import quantized_source
 
     config = load_config(model)
+    quant = quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype != "auto")
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],

@@ -96,6 +96,7 @@ class GGUFContents:
     tokenizer: Tokenizer
     tokenizer_files: dict[str, Any]  # special tokens and flags, as tokenizer_config.json would have them
     gguf_names: dict[str, str]  # HF name -> GGUF tensor name
+    quantized: bool  # some weight matrix is stored at 8 bits or fewer (Q8_0, Q6_K, Q4_K, ...)
 
 
 class _Metadata:
@@ -173,7 +174,15 @@ def open_gguf(path: Path) -> GGUFContents:
             array = array - np.float32(norm_shift)
         return array
 
-    return GGUFContents(meta.arch, hf_config, config, names, read, tokenizer, tokenizer_files, gguf_names)
+    return GGUFContents(meta.arch, hf_config, config, names, read, tokenizer, tokenizer_files, gguf_names,
+                        quantized=stores_quantized(reader))
+
+
+def stores_quantized(reader) -> bool:
+    """Whether a GGUF (a `gguf.GGUFReader`) stores some matrix in a quantised type rather than F32/F16/BF16."""
+    from gguf import GGMLQuantizationType as T
+
+    return any(len(t.shape) == 2 and t.tensor_type not in (T.F32, T.F16, T.BF16) for t in reader.tensors)
 
 
 def load_gguf(path: Path, weight_dtype: Any = None, transform: Callable[[Any, Any], Any] | None = None) -> Checkpoint:

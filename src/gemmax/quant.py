@@ -50,7 +50,7 @@ from jax import lax
 
 from gemmax.pallas_w4a16 import W4A16FitError, W4Tiles, check_w4a16_fits, onchip_limit, w4a16_matmul
 
-QUANT_MODES = ("none", "int8", "w4a16")
+QUANT_MODES = ("auto", "none", "int8", "w4a16")
 PLE_BITS = (16, 8, 4)
 KV_CACHE_DTYPES = ("auto", "int8")
 W4A16_KERNELS = ("auto", "xla", "pallas")  # what a user asks for; resolved to one of KERNELS
@@ -69,7 +69,9 @@ class QuantError(ValueError):
 class QuantOptions:
     """Load-time quantisation of one deployment (docs/quantization.md)."""
 
-    quant: str = "none"  # linear layers: none | int8 (per output channel) | w4a16 (int4, group-wise scales)
+    # linear layers: none | int8 (per output channel) | w4a16 (int4, group-wise scales) | auto
+    # (`for_source`: int8 layers and LM head for weights that were already stored quantised)
+    quant: str = "none"
     ple_bits: int = 16  # per-layer embedding table: 16 (as loaded) | 8 | 4
     int8_lm_head: bool = False  # an int8 copy of the tied embedding for the LM head's matmul
     kv_cache: str = "auto"  # auto (device policy) | int8 (per-position, per-head scales)
@@ -83,6 +85,18 @@ class QuantOptions:
                                      ("w4a16_kernel", self.w4a16_kernel, W4A16_KERNELS + KERNELS)):
             if value not in allowed:
                 raise QuantError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+    def for_source(self, quantized_source: bool, dtype_given: bool) -> QuantOptions:
+        """Resolve quant="auto" for one checkpoint. A checkpoint whose matrices were already stored at 8
+        bits or fewer (a Q4_K_M / Q8_0 GGUF, the built-in model) keeps them as int8 (layers and the LM
+        head), as llama.cpp runs such files quantised: batch-1 decode streams half the bytes of bf16
+        (docs/real_model.md has the measured speed and the quality cost). Anything else, or an
+        explicit `--dtype` (which asks for the dequantised weights at that dtype), loads unquantised."""
+        if self.quant != "auto":
+            return self
+        if quantized_source and not dtype_given:
+            return dataclasses.replace(self, quant="int8", int8_lm_head=True)
+        return dataclasses.replace(self, quant="none")
 
     @property
     def changes_weights(self) -> bool:
@@ -251,7 +265,9 @@ def _gemv(x: jax.Array, blocks: tuple) -> jax.Array:
     # x rounded to the compute dtype, as the plain bf16 path does (x.astype(W.dtype)). The rounding
     # also keeps the vector's producer (final norm, residual add) out of the dot's fusion: fused into
     # the vector side it made the int8 LM head 2-4x slower (measured on the E2B-shaped decode step).
-    x = x.astype(blocks[0].compute_dtype).astype(F32)
+    from gemmax.linear import flat_vector  # gemmax.linear imports this module
+
+    x = flat_vector(x.astype(blocks[0].compute_dtype).astype(F32))  # a plain row (see there)
     parts, start = [], 0
     for b in blocks:
         if isinstance(b, Int8Weight):
@@ -471,6 +487,8 @@ def resolve(options: QuantOptions, platform: str, compute_capability: str | None
     """Choose the kernels for the live device. W4A16 on GPU/TPU uses the Pallas kernel with tiles that
     fit the on-chip memory per block (explicit tiles that do not fit are refused with the arithmetic);
     on CPU the measured XLA form, or the Pallas kernel in interpret mode only when explicitly allowed."""
+    if options.quant == "auto":
+        raise QuantError("quant='auto' depends on the checkpoint: resolve it with QuantOptions.for_source first")
     kernel = "cpu" if platform == "cpu" else "xla"
     if options.quant != "w4a16":
         return QuantPlan(options, kernel)

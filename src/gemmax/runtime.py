@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from gemmax.checkpoint import Checkpoint, load_checkpoint
 from gemmax.config import ModelConfig
@@ -40,15 +41,32 @@ def resolve_policy(dtype: str | None, quant: QuantOptions, config: ModelConfig |
     return policy, plan
 
 
+def quantized_source(model: str) -> bool:
+    """Whether a checkpoint stores its matrices at 8 bits or fewer: a quantised GGUF file, or the
+    built-in model's conversion of one (`QuantOptions.for_source` decides quant="auto" from it)."""
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        from gguf import GGUFReader
+
+        from gemmax.gguf_loader import stores_quantized
+
+        return stores_quantized(GGUFReader(path))
+    from gemmax.builtin import converted_from_quantized
+
+    return path.is_dir() and converted_from_quantized(path)
+
+
 def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
     `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
-    and the W4A16 Pallas tiles are checked against the device before any weight is read."""
+    and the W4A16 Pallas tiles are checked against the device before any weight is read; quant="auto"
+    is resolved here from the checkpoint (`QuantOptions.for_source`)."""
     quant = quant or QuantOptions()
     if model is None:
         from gemmax.builtin import default_model_path
 
         model = str(default_model_path())
+    quant = quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype not in (None, "auto"))
     quantizes = quant.changes_weights
     config = load_config(model) if quantizes else None  # shapes only: no weight is read yet
     policy, plan = resolve_policy(dtype, quant, config)

@@ -10,7 +10,7 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
                       requests are running: a decode step's cost grows with its batch
     x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len), and
                       each prefill shape per bucket its chunk start can need: a step reads only the
-                      full-attention cache slots its context can use
+                      cache slots its context can use (full layers; rings not yet wrapped)
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
@@ -100,7 +100,7 @@ def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk,
 
 
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
-    """Static bounds on the full-attention cache slots a decode step reads: 256, 1024, 4096 ... (x4),
+    """Static bounds on the cache slots a decode step reads: 256, 1024, 4096 ... (x4),
     capped by and ending at max_model_len. Attention then costs what the context uses."""
     buckets, size = [], 256
     while size < max_model_len:

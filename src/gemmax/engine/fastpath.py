@@ -63,6 +63,9 @@ GEMV = "gemv"  # kLoop fusion whose root is a dot: XLA:CPU's fused matrix-vector
 GEMM = "gemm"  # a library GEMM fusion (YNNPACK on CPU) reading the weight as stored
 GATHER = "gather"  # rows gathered (embedding lookup)
 COPY = "copy"  # anything else: a converted / transposed copy of the weight, a plain dot, ...
+# A fused matrix-vector dot whose vector is an [h, d] array reshaped inside the fusion: it indexes the
+# vector in its inner loop and runs ~10x slower (gemmax.linear.flat_vector prevents it).
+GEMV_RESHAPED_VECTOR = "gemv on a reshaped vector"
 
 _INDEX_TYPES = ("pred", "s32", "s64", "u32", "u64")  # token ids, positions: never weights
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
@@ -127,7 +130,13 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
     return comps, entry
 
 
-def _classify(user: _Instr, comps: Mapping[str, list[_Instr]]) -> str:
+def _wide_dims(shape: str) -> int:
+    """How many dimensions above 1 an HLO shape ("f32[1,4,256]{2,1,0}") has."""
+    dims = re.match(r"\w+\[([\d,]*)\]", shape)
+    return sum(int(d) > 1 for d in dims.group(1).split(",") if d) if dims else 0
+
+
+def _classify(user: _Instr, comps: Mapping[str, list[_Instr]], weight: str, shapes: Mapping[str, str]) -> str:
     if user.op in ("gather", "dynamic-slice"):
         return GATHER
     if user.op != "fusion":
@@ -139,6 +148,8 @@ def _classify(user: _Instr, comps: Mapping[str, list[_Instr]]) -> str:
     ops = {instr.op for instr in body}
     root = next((instr for instr in body if instr.root), None)
     if "kind=kLoop" in user.attrs and root is not None and root.op == "dot" and sum(i.op == "dot" for i in body) == 1:
+        if any(_wide_dims(shapes.get(operand, "")) > 1 for operand in user.operands if operand != weight):
+            return GEMV_RESHAPED_VECTOR
         return GEMV
     if ops & {"gather", "dynamic-slice"} and "dot" not in ops:
         return GATHER
@@ -149,11 +160,14 @@ def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
     """{argument path (e.g. "params['layers'][0]['down'][1]"): how each reader of it reads it}, for every
     entry parameter of rank 2 (weight matrices, their column blocks, embedding tables).
 
-    The kinds: GEMV (fused matrix-vector dot), GEMM (library GEMM), GATHER (row gather), COPY (a
+    The kinds: GEMV (fused matrix-vector dot), GEMV_RESHAPED_VECTOR (the same, reading a vector
+    computed as a wider array: 10x slower), GEMM (library GEMM), GATHER (row gather), COPY (a
     materialised converted/transposed copy or an unfused dot: the slow path).
     """
     comps, entry = _computations(hlo_text)
     instrs = comps[entry]
+    # Shapes of what the entry computes (not its parameters: a second weight read by the same fusion).
+    shapes = {instr.name: instr.shape for instr in instrs if instr.op != "parameter"}
     readers: dict[str, list[_Instr]] = {}
     for instr in instrs:
         for operand in instr.operands:
@@ -167,7 +181,7 @@ def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
             continue
         label = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs)
         key = label.group(1).replace("\\'", "'") if label else instr.name
-        reads[key] = tuple(sorted(_classify(user, comps) for user in readers.get(instr.name, [])))
+        reads[key] = tuple(sorted(_classify(user, comps, instr.name, shapes) for user in readers.get(instr.name, [])))
     return reads
 
 
@@ -185,4 +199,24 @@ def check_decode_hlo(hlo_text: str, batch: int) -> list[str]:
             problems.append(f"{name}: read as {', '.join(products)} (want exactly one fused matrix-vector dot)")
         elif batch > 1 and COPY in products:
             problems.append(f"{name}: read as {', '.join(products)} (a materialised copy or unfused dot)")
+    return problems
+
+
+def cache_rewrites(hlo_text: str, cache_shapes: list[tuple[int, ...]]) -> list[str]:
+    """Instructions of a compiled decode step that produce a whole KV-cache array other than by
+    updating it in place (a fusion rooted in a scatter or dynamic-update-slice): copies, dtype
+    conversions, re-materialisations. Each one streams the whole cache on every step (XLA:CPU widens
+    bf16 cache updates to float32, and keeps a copy when the old cache is read after the update)."""
+    wanted = {",".join(map(str, shape)) for shape in cache_shapes}
+    comps, entry = _computations(hlo_text)
+    problems = []
+    for instr in comps[entry]:
+        dims = re.match(r"\w+\[([\d,]*)\]", instr.shape)
+        if dims is None or dims.group(1) not in wanted or instr.op in ("parameter", "bitcast", "get-tuple-element"):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", instr.attrs)
+        root = next((i for i in comps.get(called.group(1), []) if i.root), None) if called else None
+        if instr.op == "fusion" and root is not None and root.op in ("scatter", "dynamic-update-slice"):
+            continue
+        problems.append(f"{instr.name} = {instr.shape} {instr.op}")
     return problems

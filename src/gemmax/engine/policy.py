@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmax.model import Precision
+from gemmax.model import Precision, cache_dtype
 
 log = logging.getLogger("gemmax")
 
@@ -84,7 +84,7 @@ class DevicePolicy:
         several dtypes, e.g. after quantisation, are joined with '+')."""
         weights = _dtype_names(leaf for leaf in jax.tree.leaves(params) if len(leaf.shape) >= 2)
         entries = [e for e in (kv_cache or ()) if isinstance(e, dict)]
-        kv = _dtype_names(e[name] for e in entries for name in ("k", "v") if name in e)
+        kv = "+".join(sorted({jnp.dtype(cache_dtype(e)).name for e in entries}))  # a bf16 cache is stored as bits
         return dataclasses.replace(self, weights=weights or self.weights, kv_cache=kv or self.kv_cache)
 
 

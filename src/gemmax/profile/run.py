@@ -57,6 +57,8 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "plain" and quant is not None:
+        quant = quant.for_source(False, dtype_given=True)  # the plain layout is the unquantised one
     if layout == "plain" and quant is not None and quant.changes_weights:
         raise ValueError("--layout plain joins plain matrices: it cannot be combined with quantised weights")
     if random_weights:
@@ -68,7 +70,7 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         from gemmax.quant import QuantOptions, quantize_params
         from gemmax.runtime import resolve_policy
 
-        quant = quant or QuantOptions()
+        quant = (quant or QuantOptions()).for_source(False, dtype_given=True)  # random weights: nothing was quantised
         config = load_config(model)
         policy, plan = resolve_policy(dtype, quant, config)
         params = random_params(config, 0, policy.weight_dtype)
