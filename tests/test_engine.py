@@ -280,3 +280,34 @@ def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
             assert list(result.token_ids) == _reference(loaded, prompt, 20)
     finally:
         eng.shutdown(1)
+
+
+def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
+    """decode_rows with a KV-length bound below the cache (full layers) and below the sliding ring
+    (window 4, positions 0-2) moves only those slots of its rows, and gives the outputs and the cache
+    of the unbounded step."""
+    import jax
+
+    from gemmax.engine.engine import decode_rows
+    from gemmax.engine.sampling import SamplingState
+    from gemmax.model import init_cache
+
+    config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
+    assert config.sliding_window == 4
+    rows, results = jnp.asarray([1, 2], jnp.int32), {}
+    for kv_len in (None, 3):
+        cache = init_cache(config, 4, 64, precision.kv_cache)
+        state, want = SamplingState.empty(4, config.vocab_size), jnp.zeros(4, jnp.bool_)
+        tokens, positions, remaining = jnp.asarray([5, 7, 9, 11]), jnp.zeros(4, jnp.int32), jnp.full(4, 8, jnp.int32)
+        outs = []
+        for _ in range(3):  # positions 0, 1, 2: kv_len 3 covers them all
+            cache, state, tokens, positions, remaining, out = decode_rows(
+                params, cache, state, tokens, positions, remaining, want, rows, config=config, precision=precision,
+                kv_len=kv_len)
+            outs.append(jax.device_get(out[:2]))
+        results[kv_len] = (outs, jax.device_get(cache))
+    (outs_all, cache_all), (outs_bound, cache_bound) = results[None], results[3]
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(outs_all, outs_bound, strict=True):
+        assert np.array_equal(ids_a, ids_b) and np.allclose(lp_a, lp_b, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(cache_all), jax.tree.leaves(cache_bound), strict=True):
+        assert np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)

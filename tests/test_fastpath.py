@@ -192,7 +192,7 @@ def test_engine_small_group_decode_gets_the_fast_path(six_layers):
     ints = [jax.ShapeDtypeStruct((8,), jnp.int32)] * 3
     hlo = decode_rows.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((8,), jnp.bool_),
                             jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
-                            precision=precision).compile().as_text()
+                            precision=precision, kv_len=256).compile().as_text()
     assert check_decode_hlo(hlo, 1) == []
     assert cache_rewrites(hlo, _cache_shapes(cache)) == []
 

@@ -135,14 +135,19 @@ def decode_rows(params, cache, state, tokens, positions, remaining, want_logprob
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
     on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
-    Outputs are per row of `rows`."""
-    take = functools.partial(jax.tree.map, lambda a: a[rows])
+    Outputs are per row of `rows`.
+
+    Of the cache, only the first kv_len slots of each row move when kv_len is below a layer's slot
+    count: every position is below kv_len, so later slots hold nothing yet and a ring has not wrapped
+    (as `model.forward` reads it). Moving whole rows cost ~20% of a step of the built-in model."""
+    slots = (lambda a: slice(None)) if kv_len is None else (lambda a: slice(None, min(kv_len, a.shape[1])))
+    take, take_cache = (functools.partial(jax.tree.map, f) for f in (lambda a: a[rows], lambda a: a[rows, slots(a)]))
     sub_cache, sub_state, ids, pos, rem, out = _decode(
-        params, take(cache), take(state), tokens[rows], positions[rows], remaining[rows], want_logprobs[rows],
+        params, take_cache(cache), take(state), tokens[rows], positions[rows], remaining[rows], want_logprobs[rows],
         config, precision, kv_len)
-    put = functools.partial(jax.tree.map, lambda a, sub: a.at[rows].set(sub))
-    return (put(cache, sub_cache), put(state, sub_state), tokens.at[rows].set(ids), positions.at[rows].set(pos),
-            remaining.at[rows].set(rem), out)
+    cache = jax.tree.map(lambda a, sub: a.at[rows, slots(a)].set(sub), cache, sub_cache)
+    state = jax.tree.map(lambda a, sub: a.at[rows].set(sub), state, sub_state)
+    return (cache, state, tokens.at[rows].set(ids), positions.at[rows].set(pos), remaining.at[rows].set(rem), out)
 
 
 _set_row = jax.jit(set_row, donate_argnums=0)  # one request's sampling settings into its slot
