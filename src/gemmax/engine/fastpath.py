@@ -70,6 +70,7 @@ GEMV_RESHAPED_VECTOR = "gemv on a reshaped vector"
 _INDEX_TYPES = ("pred", "s32", "s64", "u32", "u64")  # token ids, positions: never weights
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
 _COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+) \(.*\{\s*$")
+_SHAPE = re.compile(r"(?P<dtype>\w+)\[(?P<dims>[\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,18 @@ class _Instr:
     operands: tuple[str, ...]
     attrs: str
     root: bool
+
+    @property
+    def dtype(self) -> str | None:
+        """The element type of an array shape ("f32[1,4,256]{2,1,0}" -> "f32"); None for a tuple."""
+        match = _SHAPE.match(self.shape)
+        return match.group("dtype") if match else None
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dimensions of an array shape ("f32[1,4,256]{2,1,0}" -> (1, 4, 256)); () for a tuple."""
+        match = _SHAPE.match(self.shape)
+        return tuple(int(d) for d in match.group("dims").split(",") if d) if match else ()
 
 
 def _closing(text: str, depth: int = 0) -> int:
@@ -130,25 +143,25 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
     return comps, entry
 
 
-def _wide_dims(shape: str) -> int:
-    """How many dimensions above 1 an HLO shape ("f32[1,4,256]{2,1,0}") has."""
-    dims = re.match(r"\w+\[([\d,]*)\]", shape)
-    return sum(int(d) > 1 for d in dims.group(1).split(",") if d) if dims else 0
+def _fused_root(instr: _Instr, comps: Mapping[str, list[_Instr]]) -> tuple[list[_Instr], _Instr | None]:
+    """(body, root) of the computation a fusion calls; ([], None) for anything else."""
+    called = re.search(r"calls=%([\w.\-]+)", instr.attrs)
+    body = comps.get(called.group(1), []) if called else []
+    return body, next((i for i in body if i.root), None)
 
 
-def _classify(user: _Instr, comps: Mapping[str, list[_Instr]], weight: str, shapes: Mapping[str, str]) -> str:
+def _classify(user: _Instr, comps: Mapping[str, list[_Instr]], weight: str, computed: Mapping[str, _Instr]) -> str:
     if user.op in ("gather", "dynamic-slice"):
         return GATHER
     if user.op != "fusion":
         return COPY
     if "__ynn_fusion" in user.attrs:
         return GEMM
-    called = re.search(r"calls=%([\w.\-]+)", user.attrs)
-    body = comps.get(called.group(1), []) if called else []
+    body, root = _fused_root(user, comps)
     ops = {instr.op for instr in body}
-    root = next((instr for instr in body if instr.root), None)
     if "kind=kLoop" in user.attrs and root is not None and root.op == "dot" and sum(i.op == "dot" for i in body) == 1:
-        if any(_wide_dims(shapes.get(operand, "")) > 1 for operand in user.operands if operand != weight):
+        vectors = [computed[operand] for operand in user.operands if operand != weight and operand in computed]
+        if any(sum(d > 1 for d in vector.dims) > 1 for vector in vectors):
             return GEMV_RESHAPED_VECTOR
         return GEMV
     if ops & {"gather", "dynamic-slice"} and "dot" not in ops:
@@ -166,8 +179,8 @@ def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
     """
     comps, entry = _computations(hlo_text)
     instrs = comps[entry]
-    # Shapes of what the entry computes (not its parameters: a second weight read by the same fusion).
-    shapes = {instr.name: instr.shape for instr in instrs if instr.op != "parameter"}
+    # What the entry computes (not its parameters: a second weight read by the same fusion).
+    computed = {instr.name: instr for instr in instrs if instr.op != "parameter"}
     readers: dict[str, list[_Instr]] = {}
     for instr in instrs:
         for operand in instr.operands:
@@ -176,12 +189,11 @@ def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
     for instr in instrs:
         if instr.op != "parameter":
             continue
-        dims = re.match(r"(\w+)\[([\d,]*)\]", instr.shape)
-        if dims is None or dims.group(1) in _INDEX_TYPES or len([d for d in dims.group(2).split(",") if d]) != 2:
+        if instr.dtype is None or instr.dtype in _INDEX_TYPES or len(instr.dims) != 2:
             continue
         label = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs)
         key = label.group(1).replace("\\'", "'") if label else instr.name
-        reads[key] = tuple(sorted(_classify(user, comps, instr.name, shapes) for user in readers.get(instr.name, [])))
+        reads[key] = tuple(sorted(_classify(user, comps, instr.name, computed) for user in readers.get(instr.name, [])))
     return reads
 
 
@@ -207,15 +219,13 @@ def cache_rewrites(hlo_text: str, cache_shapes: list[tuple[int, ...]]) -> list[s
     updating it in place (a fusion rooted in a scatter or dynamic-update-slice): copies, dtype
     conversions, re-materialisations. Each one streams the whole cache on every step (XLA:CPU widens
     bf16 cache updates to float32, and keeps a copy when the old cache is read after the update)."""
-    wanted = {",".join(map(str, shape)) for shape in cache_shapes}
+    wanted = {tuple(shape) for shape in cache_shapes}
     comps, entry = _computations(hlo_text)
     problems = []
     for instr in comps[entry]:
-        dims = re.match(r"\w+\[([\d,]*)\]", instr.shape)
-        if dims is None or dims.group(1) not in wanted or instr.op in ("parameter", "bitcast", "get-tuple-element"):
+        if instr.dims not in wanted or instr.op in ("parameter", "bitcast", "get-tuple-element"):
             continue
-        called = re.search(r"calls=%([\w.\-]+)", instr.attrs)
-        root = next((i for i in comps.get(called.group(1), []) if i.root), None) if called else None
+        _, root = _fused_root(instr, comps)
         if instr.op == "fusion" and root is not None and root.op in ("scatter", "dynamic-update-slice"):
             continue
         problems.append(f"{instr.name} = {instr.shape} {instr.op}")
