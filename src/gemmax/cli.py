@@ -152,10 +152,10 @@ def fit(
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
     from gemmax.quant import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
-    from gemmax.runtime import quantized_source
+    from gemmax.runtime import quant_for
 
     config = load_config(model)
-    quant = quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype != "auto")
+    quant = quant_for(model, dtype, quant)
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],

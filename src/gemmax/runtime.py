@@ -56,6 +56,11 @@ def quantized_source(model: str) -> bool:
     return path.is_dir() and converted_from_quantized(path)
 
 
+def quant_for(model: str, dtype: str | None, quant: QuantOptions) -> QuantOptions:
+    """`quant` with "auto" resolved for this checkpoint and --dtype (the file is opened only for auto)."""
+    return quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype not in (None, "auto"))
+
+
 def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
     `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
@@ -66,7 +71,7 @@ def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions 
         from gemmax.builtin import default_model_path
 
         model = str(default_model_path())
-    quant = quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype not in (None, "auto"))
+    quant = quant_for(model, dtype, quant)
     quantizes = quant.changes_weights
     config = load_config(model) if quantizes else None  # shapes only: no weight is read yet
     policy, plan = resolve_policy(dtype, quant, config)

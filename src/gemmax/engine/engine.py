@@ -140,11 +140,12 @@ def decode_rows(params, cache, state, tokens, positions, remaining, want_logprob
     Of the cache, only the first kv_len slots of each row move when kv_len is below a layer's slot
     count: every position is below kv_len, so later slots hold nothing yet and a ring has not wrapped
     (as `model.forward` reads it). Moving whole rows cost ~20% of a step of the built-in model."""
-    slots = (lambda a: slice(None)) if kv_len is None else (lambda a: slice(None, min(kv_len, a.shape[1])))
-    take, take_cache = (functools.partial(jax.tree.map, f) for f in (lambda a: a[rows], lambda a: a[rows, slots(a)]))
+    def slots(a):  # the cache slots [S] of one array that move
+        return slice(None, None if kv_len is None else min(kv_len, a.shape[1]))
+
     sub_cache, sub_state, ids, pos, rem, out = _decode(
-        params, take_cache(cache), take(state), tokens[rows], positions[rows], remaining[rows], want_logprobs[rows],
-        config, precision, kv_len)
+        params, jax.tree.map(lambda a: a[rows, slots(a)], cache), jax.tree.map(lambda a: a[rows], state),
+        tokens[rows], positions[rows], remaining[rows], want_logprobs[rows], config, precision, kv_len)
     cache = jax.tree.map(lambda a, sub: a.at[rows, slots(a)].set(sub), cache, sub_cache)
     state = jax.tree.map(lambda a, sub: a.at[rows].set(sub), state, sub_state)
     return (cache, state, tokens.at[rows].set(ids), positions.at[rows].set(pos), remaining.at[rows].set(rem), out)
