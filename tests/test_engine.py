@@ -43,6 +43,22 @@ def test_plan_chunks_covers_long_prompts_with_declared_buckets():
     assert plan_chunks(5, (8, 32)) == [(5, 8)]
     assert plan_chunks(32, (8, 32)) == [(32, 32)]
     assert plan_chunks(70, (8, 32)) == [(32, 32), (32, 32), (6, 8)]
+    default = (32, 128, 512, 2048)
+    assert plan_chunks(521, default) == [(512, 512), (9, 32)]  # not one 2048 chunk
+    assert plan_chunks(2047, default) == [(2047, 2048)]
+    assert plan_chunks(2057, default) == [(2048, 2048), (9, 32)]
+
+    def cost(plan):  # bucket tokens + one smallest bucket per chunk, the planner's objective
+        return sum(bucket for _, bucket in plan) + 32 * len(plan)
+
+    for length in range(1, 5000):
+        plan = plan_chunks(length, default)
+        assert sum(real for real, _ in plan) == length and all(real == b for real, b in plan[:-1])
+        assert 0 < plan[-1][0] <= plan[-1][1] and all(b in default for _, b in plan)
+        # never worse than the largest chunks, then the smallest bucket that holds the rest
+        full, rest = divmod(length - 1, 2048)
+        rest += 1
+        assert cost(plan) <= cost([(2048, 2048)] * full + [(rest, next(b for b in default if b >= rest))])
 
 
 def test_batched_greedy_equals_generate_alone_for_any_mix(engine, loaded):

@@ -16,6 +16,7 @@ from gemmax.engine.fastpath import (
     COPY,
     GATHER,
     GEMM,
+    GEMM_LEFT,
     GEMV,
     cache_rewrites,
     check_decode_hlo,
@@ -48,10 +49,10 @@ def test_column_blocks():
         assert sum(widths) == n and max(widths) <= GEMV_MAX_IN and len(widths) <= -(-n // GEMV_MAX_IN) + 1
 
 
-def _compiled_reads(n_in: int, rows: int = 1, split: bool = False) -> tuple[str, ...]:
-    w = jax.ShapeDtypeStruct((384, n_in), jnp.bfloat16)
+def _compiled_reads(n_in: int, rows: int = 1, split: bool = False, dtype=jnp.bfloat16) -> tuple[str, ...]:
+    w = jax.ShapeDtypeStruct((384, n_in), dtype)
     if split:
-        w = tuple(jax.ShapeDtypeStruct((384, k), jnp.bfloat16) for k in column_blocks(n_in))
+        w = tuple(jax.ShapeDtypeStruct((384, k), dtype) for k in column_blocks(n_in))
     x = jax.ShapeDtypeStruct((rows, 1, n_in), jnp.float32)
     reads = decode_weight_reads(jax.jit(linear).lower(x, w).compile().as_text())
     return tuple(sorted(k for kinds in reads.values() for k in kinds))
@@ -62,7 +63,34 @@ def test_gemv_fusion_limit_is_where_we_split():
     assert _compiled_reads(GEMV_MAX_IN) == (GEMV,)
     assert _compiled_reads(GEMV_MAX_IN + 1) == (COPY,)
     assert _compiled_reads(6144, split=True) == (GEMV, GEMV)
-    assert _compiled_reads(6144, rows=8, split=True) == (GEMM, GEMM)
+    assert _compiled_reads(6144, rows=8, split=True) == (GEMM_LEFT, GEMM_LEFT)
+
+
+def test_few_rows_put_the_weight_on_the_gemm_left():
+    """Up to 64 rows, a weight with 1024+ inputs whose rows are not a multiple of 4 KiB is the GEMM's
+    left operand (YNNPACK streams it rather than repacking it; docs/cpu_decode.md has the numbers)."""
+    assert _compiled_reads(1536, rows=8) == (GEMM_LEFT,)
+    assert _compiled_reads(1536, rows=2) == (GEMM_LEFT,)
+    assert _compiled_reads(1536, rows=64) == (GEMM_LEFT,)
+    assert _compiled_reads(1536, rows=8, dtype=jnp.float32) == (GEMM_LEFT,)
+    assert _compiled_reads(1536, rows=65) == (GEMM,)  # prefill-sized
+    assert _compiled_reads(640, rows=8) == (GEMM,)  # measured slower on the left below 1024 inputs
+    assert _compiled_reads(2048, rows=8) == (GEMM,)  # 4 KiB bf16 rows
+    assert _compiled_reads(1024, rows=8, dtype=jnp.float32) == (GEMM,)  # 4 KiB f32 rows
+
+
+@pytest.mark.parametrize("rows", [2, 8, 64])
+def test_weight_on_the_left_computes_the_same_product(rows):
+    """Every row equals the exact product of its bf16-rounded inputs, and the same row in a group of 2."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((192, 1088)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, 1088)), jnp.float32)
+    assert _compiled_reads(1088, rows=rows) == (GEMM_LEFT,)
+    y = np.asarray(jax.jit(linear)(x, w))
+    assert y.shape == (rows, 192) and y.dtype == np.float32
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(y, exact, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x[:2], w)), y[:2])
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -158,7 +186,12 @@ def test_batched_decode_reads_no_weight_copies(six_layers):
     hlo = _decode_hlo(params, config, 8)
     reads = decode_weight_reads(hlo)
     assert check_decode_hlo(hlo, 8) == []
-    assert all(GEMM in kinds for name, kinds in reads.items() if name != "params['ple_embed']")
+    # 1536 / 3072 inputs: the weight is the GEMM's left operand; 2048 (o) and 256 (ple_proj) inputs: right.
+    layer0 = "params['layers'][0]"
+    left = ["params['embed']"] + [f"{layer0}['{n}']" for n in ("q", "k", "v", "gate", "up", "ple_gate")]
+    assert all(GEMM_LEFT in reads[name] for name in left + [f"{layer0}['down'][0]", f"{layer0}['down'][1]"])
+    assert reads[f"{layer0}['o']"] == (GEMM,) and reads[f"{layer0}['ple_proj']"] == (GEMM,)
+    assert all({GEMM, GEMM_LEFT} & set(kinds) for name, kinds in reads.items() if name != "params['ple_embed']")
 
 
 @pytest.mark.parametrize("batch", [1, 8])

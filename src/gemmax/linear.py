@@ -20,7 +20,9 @@ Two spellings, chosen from the static number of rows of x:
   every step (20x slower). Partial products of a K-split weight are therefore kept apart from their
   sum by an optimisation barrier.
 - several rows (batched decode, prefill): `dot_general` with float32 accumulation, which XLA:CPU
-  hands to its YNNPACK GEMM (bf16 products, f32 sums) and GPUs run natively.
+  hands to its YNNPACK GEMM (bf16 products, f32 sums) and GPUs run natively. On CPU, up to 64 rows,
+  the weight is the dot's left operand (`streams_weight`): YNNPACK then streams it instead of
+  repacking it on every call.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from gemmax import quant
 # Largest `in` whose float32 vector (in * 4 bytes) stays under the 16 KiB XLA:CPU's matrix-vector
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
 GEMV_MAX_IN = 4095
+
+# Most rows for which the CPU GEMM takes the weight as its left operand (`streams_weight`).
+STREAM_MAX_ROWS = 64
 
 # Column blocks are a multiple of this many inputs (cache lines of bf16, SIMD-friendly widths).
 _BLOCK_ALIGN = 64
@@ -72,8 +77,37 @@ def _product(x: jax.Array, w: jax.Array) -> jax.Array:
         # XLA still fuses W's convert into the matrix-vector dot, and the output keeps f32 precision
         # (a bf16-rounded output makes logits tie, and the batch-1 and batched paths disagree).
         return flat_vector(x.astype(w.dtype).astype(x.dtype)) @ w.T
+    if streams_weight(x.shape[0], w):
+        return _weight_on_the_left(x, w)
     y = lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+def streams_weight(rows: int, w: jax.Array) -> bool:
+    """Whether `rows` rows times W [out, in] use `_weight_on_the_left` (CPU only).
+
+    XLA:CPU's YNNPACK GEMM reads bf16 weights at 11-13 GB/s at batch 8 with W as its right operand
+    (x @ W.T) and at 14-17 GB/s with W as its left operand (E2B shapes; f32 weights 6 vs 12 GB/s);
+    it appears to repack its right operand on every call. Measured (docs/cpu_decode.md): faster up
+    to 64 rows (512-row prefill buckets are faster with W on the right) for 1024-3072 inputs, slower
+    below 1024 inputs (384, 512, 640) and when a row of W is a multiple of 4 KiB (2048 bf16 inputs:
+    10 vs 14 GB/s; rows that far apart share cache sets), so those keep the plain form."""
+    k = w.shape[1]
+    return (1 < rows <= STREAM_MAX_ROWS and k >= 1024 and (k * w.dtype.itemsize) % 4096 != 0
+            and jax.default_backend() == "cpu")
+
+
+def _weight_on_the_left(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, in] @ W[out, in].T computed as (W @ x.T).T -> [rows, out] in x.dtype.
+
+    The optimisation barrier keeps XLA from folding the transpose back into the dot (it would swap
+    the operands again). The transpose goes through [out / 64, 64, rows] tiles: a plain one became a
+    layout change that a later copy paid for (2.4 ms for batch-8 logits, against 0.8 ms through tiles)."""
+    y = lax.dot_general(w, x.astype(w.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = lax.optimization_barrier(y)  # [out, rows]
+    out, rows = y.shape
+    tile = 64 if out % 64 == 0 else 1
+    return y.reshape(out // tile, tile, rows).transpose(2, 0, 1).reshape(rows, out).astype(x.dtype)
 
 
 def flat_vector(x: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@ Device state: one KV cache with `max_batch` rows of `max_model_len` positions (s
 ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
 compiled shapes are a small declared set, all compiled by `warm_up` before the engine reports ready:
 
-    prefill[bucket]   tokens [1, bucket] into one slot (chunks of the largest bucket for long prompts)
+    prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
+                      (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
@@ -14,9 +15,9 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
-`steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: no host sync per
-token) and reads their tokens once, streams them, and frees the slots of finished or cancelled
-requests at once.
+`steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
+waits for the host between them), streams each step's tokens as soon as that step is done, and
+frees the slots of finished or cancelled requests at once.
 """
 
 from __future__ import annotations
@@ -64,16 +65,44 @@ def prefill_buckets(max_model_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKE
 
 
 def plan_chunks(prompt_len: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
-    """[(real tokens, bucket)] covering the prompt: full chunks of the largest bucket, then the
-    smallest bucket that holds the rest."""
+    """[(real tokens, bucket)] covering the prompt: full chunks of the largest bucket while more than
+    it remains, then the cheapest cover of the rest (`_tail_plans`)."""
     largest = buckets[-1]
-    chunks = []
-    remaining = prompt_len
-    while remaining > largest:
-        chunks.append((largest, largest))
-        remaining -= largest
-    chunks.append((remaining, next(b for b in buckets if b >= remaining)))
-    return chunks
+    full = max(0, -(-prompt_len // largest) - 1)
+    return [(largest, largest)] * full + list(_tail_plans(buckets)[prompt_len - full * largest])
+
+
+@functools.lru_cache(maxsize=8)
+def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """plans[r] for r = 0 .. the largest bucket: the chunks covering r tokens that cost the fewest bucket
+    tokens plus, per chunk, the smallest bucket's worth (a chunk's fixed cost: one pass over the
+    weights); ties go to fewer chunks. Full chunks come first, the partial one last. With buckets
+    (32, 128, 512, 2048) a 521-token prompt prefills as 512 + 32 (9 real) instead of one 2048."""
+    overhead = buckets[0]
+    best: list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]] = [((0, 0), ())]
+    for r in range(1, buckets[-1] + 1):
+        fits = next(b for b in buckets if b >= r)
+        options = [((overhead + fits, 1), ((r, fits),))]
+        for b in reversed(buckets):  # on a tie, the larger full chunk first
+            if b < r:
+                (tokens, count), rest = best[r - b]
+                options.append(((tokens + overhead + b, count + 1), ((b, b), *rest)))
+        best.append(min(options, key=lambda option: option[0]))
+    return tuple(chunks for _, chunks in best)
+
+
+def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> dict[tuple[int, int], int]:
+    """{(bucket, KV-length bound): a chunk start that needs it} over every prompt shorter than
+    max_model_len, as `plan_chunks` splits it; `kv_bound(start)` is the bound a chunk at `start` reads."""
+    largest = buckets[-1]
+    tails = {(start, bucket) for plan in _tail_plans(buckets)
+             for start, (_, bucket) in zip(itertools.accumulate([0] + [real for real, _ in plan]), plan)}
+    shapes: dict[tuple[int, int], int] = {}
+    for base in range(0, max_model_len - 1, largest):  # full chunks of the largest bucket before a tail
+        for start, bucket in sorted(tails):
+            if base + start < max_model_len - 1:
+                shapes.setdefault((bucket, kv_bound(base + start)), base + start)
+    return shapes
 
 
 def _rows(tree, slot, size=1):
@@ -93,9 +122,7 @@ def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk,
     row_cache = _rows(cache, slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                 precision=precision, kv_len=kv_len)
-    old_state = _rows(state, slot)
-    ids, lp, top_ids, top_lp, new_state = sample(logits, old_state, want_logprobs[None])
-    row_state = jax.tree.map(lambda new, old: jnp.where(last_chunk, new, old), new_state, old_state)
+    ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(state, slot), want_logprobs[None], last_chunk[None])
     return _put_rows(cache, row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
@@ -115,9 +142,7 @@ def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, c
     active = remaining > 0
     logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
                             config=config, precision=precision, kv_len=kv_len)
-    ids, lp, top_ids, top_lp, sampled = sample(logits, state, want_logprobs)
-    state = jax.tree.map(lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
-                         sampled, state)
+    ids, lp, top_ids, top_lp, state = sample(logits, state, want_logprobs, active)
     ids = jnp.where(active, ids, tokens)
     step = active.astype(jnp.int32)
     return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
@@ -349,10 +374,10 @@ class BatchEngine:
                 self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
                 while self._slots[0] is not None:
                     self._decode_dispatch()
-            # Chunks after the first (prompts longer than the largest bucket) start at multiples of it
-            # and read a larger KV bucket: compile those prefill shapes too (a 1-token dummy chunk).
-            for start in self._later_chunk_starts():
-                for bucket in self.buckets:
+            # Later chunks start past 0 and may read a larger KV bucket: compile every (bucket, KV bound)
+            # pair a prompt can need, each with a 1-token dummy chunk.
+            for (bucket, _), start in self._prefill_shapes().items():
+                if start:
                     self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
             for size in self.decode_groups:  # every group x KV-length shape, all rows idle (nothing written)
                 for kv_len in self.kv_buckets:
@@ -361,20 +386,14 @@ class BatchEngine:
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(self.buckets) * (1 + len(self._later_chunk_starts())) + len(self.decode_groups) * len(self.kv_buckets)
+        shapes = len(self._prefill_shapes()) + len(self.decode_groups) * len(self.kv_buckets)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
 
     # ------------------------------------------------------------------------------ device calls
-    def _later_chunk_starts(self) -> list[int]:
-        """One chunk start per KV bucket that chunks after the first can read (chunks start at
-        multiples of the largest prefill bucket)."""
-        starts: dict[int, int] = {}
-        for start in range(self.buckets[-1], self.max_model_len - 1, self.buckets[-1]):
-            starts.setdefault(self._kv_bound(start), start)
-        starts.pop(self._kv_bound(0), None)
-        return sorted(starts.values())
+    def _prefill_shapes(self) -> dict[tuple[int, int], int]:
+        return prefill_shapes(self.buckets, self.max_model_len, self._kv_bound)
 
     def _kv_bound(self, tokens: int) -> int:
         """The smallest KV-length bucket that holds `tokens` cached positions."""
@@ -391,8 +410,9 @@ class BatchEngine:
 
     def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
-        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`).
-        `kv_len` must cover every active row's position through the last of these steps."""
+        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`)
+        as device arrays, still being computed. `kv_len` must cover every active row's position
+        through the last of these steps."""
         outputs = []
         want = jnp.asarray(self.want_logprobs)
         kv_len = kv_len or self.max_model_len
@@ -405,7 +425,7 @@ class BatchEngine:
                                      precision=self.precision, kv_len=kv_len)
             self.cache, self.state, self.tokens, self.positions, self.remaining, out = result
             outputs.append(out)
-        return jax.device_get(outputs)
+        return outputs
 
     def _decode_group(self) -> np.ndarray | None:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
@@ -509,8 +529,10 @@ class BatchEngine:
         kv_len = self._kv_bound(furthest)
         outputs = self._dispatch_decode(steps, rows, kv_len)
         slot_of = range(self.max_batch) if rows is None else rows
-        now = time.perf_counter()
-        for ids, lps, top_ids, top_lps, active in outputs:
+        for out in outputs:
+            # Each step's tokens go out as soon as that step is done, while the device runs the next.
+            ids, lps, top_ids, top_lps, active = jax.device_get(out)
+            now = time.perf_counter()
             for j, i in enumerate(slot_of):
                 if self._slots[i] is None or not active[j]:
                     continue

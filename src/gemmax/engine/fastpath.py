@@ -60,7 +60,8 @@ def prepare_params(params: Params, config: ModelConfig, policy, max_in: int = GE
 # ------------------------------------------------------------------------------- compiled HLO check
 
 GEMV = "gemv"  # kLoop fusion whose root is a dot: XLA:CPU's fused matrix-vector product
-GEMM = "gemm"  # a library GEMM fusion (YNNPACK on CPU) reading the weight as stored
+GEMM = "gemm"  # a library GEMM fusion (YNNPACK on CPU) reading the weight as stored, as its right operand
+GEMM_LEFT = "gemm, weight on the left"  # the same with the weight as its left operand (streamed, not repacked)
 GATHER = "gather"  # rows gathered (embedding lookup)
 COPY = "copy"  # anything else: a converted / transposed copy of the weight, a plain dot, ...
 # A fused matrix-vector dot whose vector is an [h, d] array reshaped inside the fusion: it indexes the
@@ -79,6 +80,7 @@ class _Instr:
     shape: str
     op: str
     operands: tuple[str, ...]
+    args: str  # the text between the parentheses: operands, or a parameter's number
     attrs: str
     root: bool
 
@@ -117,7 +119,7 @@ def _parse_instr(line: str) -> _Instr | None:
     op, _, rest = rest.partition("(")
     end = _closing(rest, depth=1)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[:end]))
-    return _Instr(match.group("name"), shape, op, operands, rest[end + 1 :], line.lstrip().startswith("ROOT"))
+    return _Instr(match.group("name"), shape, op, operands, rest[:end], rest[end + 1 :], line.lstrip().startswith("ROOT"))
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
@@ -155,9 +157,13 @@ def _classify(user: _Instr, comps: Mapping[str, list[_Instr]], weight: str, comp
         return GATHER
     if user.op != "fusion":
         return COPY
-    if "__ynn_fusion" in user.attrs:
-        return GEMM
     body, root = _fused_root(user, comps)
+    if "__ynn_fusion" in user.attrs:
+        # The weight is the fusion's operand i, parameter(i) inside; is it the dot's left operand?
+        params = {instr.name: instr.args for instr in body if instr.op == "parameter"}
+        dot = next((instr for instr in body if instr.op == "dot"), None)
+        left = params.get(dot.operands[0]) if dot is not None and dot.operands else None
+        return GEMM_LEFT if left == str(user.operands.index(weight)) else GEMM
     ops = {instr.op for instr in body}
     if "kind=kLoop" in user.attrs and root is not None and root.op == "dot" and sum(i.op == "dot" for i in body) == 1:
         vectors = [computed[operand] for operand in user.operands if operand != weight and operand in computed]
@@ -174,7 +180,8 @@ def decode_weight_reads(hlo_text: str) -> dict[str, tuple[str, ...]]:
     entry parameter of rank 2 (weight matrices, their column blocks, embedding tables).
 
     The kinds: GEMV (fused matrix-vector dot), GEMV_RESHAPED_VECTOR (the same, reading a vector
-    computed as a wider array: 10x slower), GEMM (library GEMM), GATHER (row gather), COPY (a
+    computed as a wider array: 10x slower), GEMM / GEMM_LEFT (library GEMM with the weight as its right /
+    left operand), GATHER (row gather), COPY (a
     materialised converted/transposed copy or an unfused dot: the slow path).
     """
     comps, entry = _computations(hlo_text)

@@ -88,29 +88,43 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=1)[:, 0]
 
 
-def _argmax(logits: jax.Array) -> jax.Array:
-    """First index of the row maximum, [B, V] -> [B] i32. Same result as jnp.argmax for finite logits,
-    ~6x faster on CPU over 262,144 entries (a max, then a min over matching indices)."""
-    V = logits.shape[-1]
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    index = jnp.where(logits == top, jnp.arange(V, dtype=jnp.int32)[None, :], V)
-    return jnp.minimum(jnp.min(index, axis=-1), V - 1)
+def _argmax(logits: jax.Array, block: int = 512) -> jax.Array:
+    """First index of the row maximum, [B, V] -> [B] i32; the same result as jnp.argmax for finite
+    logits. Two levels over blocks of `block` entries: the block maxima, then the first block that
+    holds the row maximum, then the first match inside it. On CPU this reads the logits once and
+    makes nothing of their size: a plain max-then-match materialised the max broadcast to [B, V]
+    (~5 ms at batch 8 over 262,144 entries, against ~0.5 ms here)."""
+    B, V = logits.shape
+    if V % block:
+        block = V
+    blocks = logits.reshape(B, V // block, block)
+    block_max = jnp.max(blocks, axis=-1)  # [B, V / block]
+    top = jnp.max(block_max, axis=-1, keepdims=True)  # [B, 1]
+    first_block = jnp.argmax(block_max == top, axis=-1)  # [B]: argmax of a bool is its first True
+    candidates = jnp.take_along_axis(blocks, first_block[:, None, None], axis=1)[:, 0]  # [B, block]
+    return (first_block * block + jnp.argmax(candidates == top, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array):
+def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, advance: jax.Array | None = None):
     """logits [B, V] f32 -> (ids [B] i32, logprob [B] f32, top ids [B, K] i32, top logprobs [B, K] f32,
     new state). Logprobs are of the model's distribution (before penalties and temperature) and are
-    computed only when some row asks (`want_logprobs` [B] bool)."""
-    penalised = jax.lax.cond(
-        jnp.any((state.repetition != 1.0) | (state.presence != 0.0) | (state.frequency != 0.0)),
-        apply_penalties, lambda x, _: x, logits, state,
-    )
-    greedy = _argmax(penalised)
+    computed only when some row asks (`want_logprobs` [B] bool). Only rows with `advance` [B] bool
+    (default all) count the token in their state (step, penalty counts); the others keep it as it was,
+    without a select over the [B, V] arrays."""
     sampling = state.temperature > 0
+
+    def choose(penalised: jax.Array) -> jax.Array:  # [B, V] -> ids [B]
+        greedy = _argmax(penalised)
+        return jax.lax.cond(
+            jnp.any(sampling),
+            lambda: jnp.where(sampling, _filtered_sample(penalised, state), greedy).astype(jnp.int32),
+            lambda: greedy,
+        )
+
+    # Both branches return only ids: a branch that passed the logits through would copy all [B, V].
     ids = jax.lax.cond(
-        jnp.any(sampling),
-        lambda: jnp.where(sampling, _filtered_sample(penalised, state), greedy).astype(jnp.int32),
-        lambda: greedy,
+        jnp.any((state.repetition != 1.0) | (state.presence != 0.0) | (state.frequency != 0.0)),
+        lambda: choose(apply_penalties(logits, state)), lambda: choose(logits),
     )
 
     def logprobs():
@@ -125,5 +139,7 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array):
 
     chosen_lp, top_ids, top_lp = jax.lax.cond(jnp.any(want_logprobs), logprobs, no_logprobs)
     rows = jnp.arange(logits.shape[0])
-    new_state = dataclasses.replace(state, step=state.step + 1, output_counts=state.output_counts.at[rows, ids].add(1))
+    count = jnp.ones_like(state.step) if advance is None else advance.astype(state.step.dtype)
+    new_state = dataclasses.replace(state, step=state.step + count,
+                                    output_counts=state.output_counts.at[rows, ids].add(count))
     return ids, chosen_lp, top_ids, top_lp, new_state
