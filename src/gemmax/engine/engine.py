@@ -95,8 +95,9 @@ def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> di
     """{(bucket, KV-length bound): a chunk start that needs it} over every prompt shorter than
     max_model_len, as `plan_chunks` splits it; `kv_bound(start)` is the bound a chunk at `start` reads."""
     largest = buckets[-1]
-    tails = {(start, bucket) for plan in _tail_plans(buckets)
-             for start, (_, bucket) in zip(itertools.accumulate([0] + [real for real, _ in plan]), plan)}
+    tails = {(start, bucket) for plan in _tail_plans(buckets)  # (chunk start, bucket) within a tail
+             for start, (_, bucket) in zip(itertools.accumulate([real for real, _ in plan], initial=0), plan,
+                                           strict=False)}
     shapes: dict[tuple[int, int], int] = {}
     for base in range(0, max_model_len - 1, largest):  # full chunks of the largest bucket before a tail
         for start, bucket in sorted(tails):
