@@ -91,9 +91,9 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
 def _argmax(logits: jax.Array, block: int = 512) -> jax.Array:
     """First index of the row maximum, [B, V] -> [B] i32; the same result as jnp.argmax for finite
     logits. Two levels over blocks of `block` entries: the block maxima, then the first block that
-    holds the row maximum, then the first match inside it. On CPU this reads the logits once and
-    makes nothing of their size: a plain max-then-match materialised the max broadcast to [B, V]
-    (~5 ms at batch 8 over 262,144 entries, against ~0.5 ms here)."""
+    holds the row maximum, then the first match inside it. Nothing of the logits' size is written: on
+    CPU a plain max-then-match materialised the maximum broadcast to [B, V] (2.4-5.9 ms at batch 8
+    over 262,144 entries, against ~0.5 ms here)."""
     B, V = logits.shape
     if V % block:
         block = V
