@@ -259,7 +259,6 @@ async def test_transformers_rig_start_query_stop(state, checkpoint):
 
 
 async def test_verify_device_and_fit_check(state, checkpoint):
-    from gemmax.engine.engine import DEFAULT_BUCKETS
     from gemmax.engine.memory import GiB, load_config, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -278,7 +277,7 @@ async def test_verify_device_and_fit_check(state, checkpoint):
                                                       "max_batch": 2, "device_memory_gib": 1.0}))
         expected = plan_memory(load_config(str(checkpoint)), 128, 2, GiB, weight_dtype=policy.weight_dtype,
                                kv_dtype=DTYPES[policy.kv_cache], activation_dtype=DTYPES[policy.activations],
-                               prefill_tokens=DEFAULT_BUCKETS[-1], model=str(checkpoint))
+                               prefill_tokens=policy.prefill_buckets[-1], model=str(checkpoint))
         # the memory plan's own fields, plus `gemmax fit`'s quantisation summary
         assert {k: v for k, v in fit["plan"].items() if k in expected.as_dict()} == expected.as_dict()
         assert fit["fits"] is True and fit["plan"]["quant"] == "none"

@@ -29,6 +29,8 @@ def test_live_cpu_policy():
     assert line.startswith("gemmax device policy: platform=cpu kind=")
     assert "compute_dtype=bfloat16 weights=bfloat16 activations=float32 kv_cache=bfloat16" in line
     assert p.precision().activation == jnp.float32
+    # prefill chunks of at most 512 tokens on CPU (cheaper per token there than 2048: policy.py)
+    assert p.prefill_buckets == (32, 128, 512) and p.as_dict()["prefill_buckets"] == [32, 128, 512]
 
 
 def test_gpu_rules_by_compute_capability():
@@ -42,6 +44,7 @@ def test_gpu_rules_by_compute_capability():
     ada = choose_policy("gpu", "NVIDIA L4", "8.9", 22 * 2**30)
     assert (ada.compute_dtype, ada.weights, ada.kv_cache) == ("bfloat16", "bfloat16", "bfloat16")
     assert not ada.pre_ampere and ada.cpu_gemv_fusion is None
+    assert ada.prefill_buckets == (32, 128, 512, 2048)
     ampere = choose_policy("gpu", "NVIDIA A100", "8.0", 80 * 2**30)
     assert ampere.compute_dtype == "bfloat16"
     tpu = choose_policy("tpu", "TPU v5 lite", None, 16 * 2**30)

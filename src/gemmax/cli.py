@@ -141,7 +141,6 @@ def fit(
     against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
     import jax.numpy as jnp
 
-    from gemmax.engine.engine import DEFAULT_BUCKETS
     from gemmax.engine.memory import GiB, load_config, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -160,7 +159,7 @@ def fit(
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
-                       prefill_tokens=prefill_tokens or DEFAULT_BUCKETS[-1], model=model,
+                       prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model,
                        weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:

@@ -55,10 +55,7 @@ from gemmax.model import Precision, forward, init_cache
 
 log = logging.getLogger("gemmax.engine")
 
-DEFAULT_BUCKETS = (32, 128, 512, 2048)
-
-
-def prefill_buckets(max_model_len: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+def prefill_buckets(max_model_len: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The declared prefill lengths that fit max_model_len (at least one)."""
     fitting = tuple(b for b in sorted(buckets) if b <= max_model_len)
     return fitting or (max_model_len,)
@@ -203,7 +200,7 @@ class BatchEngine:
     """The engine behind `gemmax serve`: implements gemmax.engine.api.Engine."""
 
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, steps_per_dispatch: int = 4,
+                 buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None):
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
@@ -211,7 +208,7 @@ class BatchEngine:
         self.precision: Precision = policy.precision()
         self._max_model_len = max_model_len
         self.max_batch = max_batch
-        self.buckets = prefill_buckets(max_model_len, buckets)
+        self.buckets = prefill_buckets(max_model_len, buckets or loaded.policy.prefill_buckets)
         # Refuse at start-up, with the arithmetic, a deployment that cannot fit the device.
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
