@@ -275,3 +275,20 @@ def test_fit_prints_weight_bytes_per_option(tmp_path):
     assert plan["quant"] == "w4a16"
     bad = runner.invoke(app, ["fit", "--model", str(config), "--quant", "int4"])
     assert bad.exit_code != 0 and "quant must be one of" in bad.output
+
+
+def test_big_int8_matrices_at_batched_decode_rows_go_through_tiles():
+    """An int8 matrix past the cache (2**24 parameters, like an LM head) at 4-8 rows is converted tile by
+    tile and multiplied by the GEMM: the exact product of the bf16-rounded rows, and a row's result
+    does not depend on the rows beside it. Fewer rows, or a matrix that fits the cache, stay row by row."""
+    w = _weight(8192, 2048, seed=5, dtype=jnp.bfloat16)
+    qw = Q.quantize_int8(w, "cpu")
+    assert Q.tiled(4, (qw,)) and Q.tiled(8, (qw,)) and not Q.tiled(2, (qw,)) and not Q.tiled(9, (qw,))
+    assert not Q.tiled(8, (Q.quantize_int8(_weight(1024, 2048), "cpu"),))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 2048), dtype=np.float32))
+    y = np.asarray(jax.jit(linear)(x, qw))
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+    np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x[4:], qw)), y[4:])
+    rows = np.asarray(jax.jit(linear)(x[:2], qw))  # the row-by-row form
+    np.testing.assert_allclose(rows, y[:2], rtol=0, atol=1e-5 * np.abs(exact).max())
