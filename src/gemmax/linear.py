@@ -91,7 +91,7 @@ def streams_weight(rows: int, w: jax.Array) -> bool:
     it appears to repack its right operand on every call. Measured (docs/cpu_decode.md): faster up
     to 64 rows (512-row prefill buckets are faster with W on the right) for 1024-3072 inputs, slower
     below 1024 inputs (384, 512, 640) and when a row of W is a multiple of 4 KiB (2048 bf16 inputs:
-    10 vs 14 GB/s; rows that far apart share cache sets), so those keep the plain form."""
+    10 vs 14 GB/s; presumably rows that far apart share cache sets), so those keep the plain form."""
     k = w.shape[1]
     return (1 < rows <= STREAM_MAX_ROWS and k >= 1024 and (k * w.dtype.itemsize) % 4096 != 0
             and jax.default_backend() == "cpu")
