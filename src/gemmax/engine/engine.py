@@ -362,7 +362,7 @@ class BatchEngine:
     def _warm_up(self) -> None:
         """Run one throwaway request per prefill bucket through the real admission and decode path, so
         every compiled shape (and every small helper kernel) exists before the first real request;
-        then compile the remaining shapes, and run the throwaway requests once more (below)."""
+        then compile the remaining shapes, and prefill the throwaway requests once more (below)."""
         with compile_cache.track(self.compile_cache_dir) as tracker:
             started = time.perf_counter()
             self._init_device_state()
@@ -379,7 +379,7 @@ class BatchEngine:
             # Measured on CPU (built-in model): without this second round, the first real request's
             # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
             # a second run of each prefill shape removes it (the cause was not found).
-            self._throwaway_requests()
+            self._throwaway_requests(max_tokens=1)
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
@@ -388,11 +388,12 @@ class BatchEngine:
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
 
-    def _throwaway_requests(self) -> None:
-        """One request per prefill bucket, prefilled into slot 0 and decoded to its end."""
+    def _throwaway_requests(self, max_tokens: int | None = None) -> None:
+        """One request per prefill bucket, prefilled into slot 0 and decoded to its end (by default
+        through two decode dispatches and a bit)."""
         for bucket in self.buckets:
             prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
-            request = GenerationRequest(prompt, max_tokens=2 * self.steps_per_dispatch + 1, ignore_eos=True,
+            request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
                                         logprobs=1 if bucket == self.buckets[0] else None)
             self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
             while self._slots[0] is not None:
