@@ -369,7 +369,8 @@ class BatchEngine:
             self._throwaway_requests()
             # Later chunks start past 0 and may read a larger KV bucket: compile every (bucket, KV bound)
             # pair a prompt can need, each with a 1-token dummy chunk.
-            for (bucket, _), start in self._prefill_shapes().items():
+            prefills = prefill_shapes(self.buckets, self.max_model_len, self._kv_bound)
+            for (bucket, _), start in prefills.items():
                 if start:
                     self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
             for size in self.decode_groups:  # every group x KV-length shape, all rows idle (nothing written)
@@ -383,7 +384,7 @@ class BatchEngine:
             jax.block_until_ready(self.cache)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(self._prefill_shapes()) + len(self.decode_groups) * len(self.kv_buckets)
+        shapes = len(prefills) + len(self.decode_groups) * len(self.kv_buckets)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
@@ -400,9 +401,6 @@ class BatchEngine:
                 self._decode_dispatch()
 
     # ------------------------------------------------------------------------------ device calls
-    def _prefill_shapes(self) -> dict[tuple[int, int], int]:
-        return prefill_shapes(self.buckets, self.max_model_len, self._kv_bound)
-
     def _kv_bound(self, tokens: int) -> int:
         """The smallest KV-length bucket that holds `tokens` cached positions."""
         return next((b for b in self.kv_buckets if b >= tokens), self.max_model_len)
