@@ -33,12 +33,12 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gemmax.config import E2B_SIX_LAYER_CONFIG, ModelConfig  # noqa: E402
 from gemmax.engine.fastpath import check_decode_hlo, prepare_params  # noqa: E402
 from gemmax.engine.memory import bytes_per_decode_step, measure_read_bandwidth  # noqa: E402
 from gemmax.engine.policy import device_policy  # noqa: E402
-from gemmax.model import Precision, forward, init_cache  # noqa: E402
-from gemmax.params import random_params  # noqa: E402
+from gemmax.model.config import E2B_SIX_LAYER_CONFIG, ModelConfig  # noqa: E402
+from gemmax.model.forward import Precision, forward, init_cache  # noqa: E402
+from gemmax.model.params import random_params  # noqa: E402
 
 QUIET = 0.15  # other processes' share of all cores below which a sample counts as quiet
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -156,7 +156,7 @@ def naive_linear(x, w):
 
 def run_decode(rounds: int, batches: list[int], context: int, max_len: int, kv_dtypes: list[str], naive: bool,
                steps: int) -> dict:
-    import gemmax.model as model
+    import gemmax.model.forward as model
 
     config = ModelConfig.from_hf_config(E2B_SIX_LAYER_CONFIG)
     plain = random_params(config, weight_dtype=jnp.bfloat16)

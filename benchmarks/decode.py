@@ -32,7 +32,7 @@ def build_checkpoint(directory: Path) -> None:
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    from gemmax.config import E2B_SIX_LAYER_CONFIG
+    from gemmax.model.config import E2B_SIX_LAYER_CONFIG
 
     hf = {k: v for k, v in E2B_SIX_LAYER_CONFIG.items() if k != "model_type"}
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def gemmax_step_runner(loaded, batch: int, context: int):
 
     from gemmax.engine.engine import decode_step, kv_buckets
     from gemmax.engine.sampling import SamplingState
-    from gemmax.model import init_cache
+    from gemmax.model.forward import init_cache
 
     config, precision = loaded.checkpoint.config, loaded.policy.precision()
     state = {
@@ -131,8 +131,8 @@ def main() -> None:
     from rich.table import Table
     from transformers import AutoModelForCausalLM
 
+    from gemmax.engine.loading import load_model
     from gemmax.engine.memory import decode_traffic, measure_read_bandwidth
-    from gemmax.runtime import load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     tmp = None

@@ -10,12 +10,12 @@
   decode path (so the KV cache is read at every step).
 - `forms`: each spelling of x @ W.T for int8 / int4 weights on E2B's gate and down shapes at 1 and
   8 rows (gemmax's CPU forms, dequantise-in-register row reductions, dequantise-then-dot, bf16), in
-  Gparam/s: the measurement behind gemmax.quant's choice of form on CPU.
+  Gparam/s: the measurement behind gemmax.quant.forms's choice of form on CPU.
 - the weight bytes of the full E2B config per option, from shapes (`jax.eval_shape`).
 
 Quality metrics, per position: logits centred (softmax ignores offsets); relative error =
 ||Δ|| / ||reference|| over all positions; agreement = share of positions whose top-1 token equals the
-unquantised model's. The options are quantised with the loader's own functions (gemmax.quant).
+unquantised model's. The options are quantised with the loader's own functions (gemmax.quant.forms).
 
     python benchmarks/quant.py                                # forms, both models, all options
     python benchmarks/quant.py --models builtin --options none,int8,ple4+int8_lm_head
@@ -35,15 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax import quant as Q
-from gemmax.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
 from gemmax.engine.engine import decode_step
 from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
 from gemmax.engine.sampling import SamplingState
-from gemmax.linear import GEMV_MAX_IN, linear
-from gemmax.model import Precision, forward, init_cache
-from gemmax.params import count_bytes, random_params
+from gemmax.model.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
+from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.linear import GEMV_MAX_IN, linear
+from gemmax.model.params import count_bytes, random_params
+from gemmax.quant import forms as Q
 
 OPTIONS = {
     "none": Q.QuantOptions(),
@@ -139,7 +139,7 @@ def bench_forms(args, policy) -> list[dict]:
         def fast(form):  # the column blocks `prepare_params` stores on CPU
             return form if w.shape[1] <= GEMV_MAX_IN else split_columns(form, column_blocks(w.shape[1]))
         return {
-            "bf16 (gemmax.linear)": (linear, fast(w)),
+            "bf16 (gemmax.model.linear)": (linear, fast(w)),
             "int8 gemmax 'cpu' form": (linear, fast(q8)),
             "int8 row reduction": (_row_reduce, q8),
             "int8 dequantise-then-dot": (_dequantize_then_dot, q8),
@@ -209,9 +209,9 @@ def bench_e2b(names: list[str], args, policy) -> list[dict]:
 
 
 def bench_builtin(names: list[str], policy) -> list[dict]:
-    from gemmax.builtin import default_model_path
-    from gemmax.checkpoint import load_checkpoint
-    from gemmax.tokenizer import load_tokenizer
+    from gemmax.weights.builtin import default_model_path
+    from gemmax.weights.checkpoint import load_checkpoint
+    from gemmax.weights.tokenizer import load_tokenizer
 
     directory = default_model_path()
     checkpoint = load_checkpoint(directory, weight_dtype=policy.weight_dtype)

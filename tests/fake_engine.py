@@ -295,7 +295,7 @@ def read_metric(url: str, name: str, labels: dict[str, str] | None = None, heade
 def main() -> int:
     from gemmax.server.app import ServerSettings
     from gemmax.server.serve import serve
-    from gemmax.tokenizer import load_tokenizer
+    from gemmax.weights.tokenizer import load_tokenizer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", type=Path, required=True)

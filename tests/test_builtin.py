@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from typer.testing import CliRunner
 
-from gemmax.builtin import MARKER, convert
-from gemmax.checkpoint import load_checkpoint
 from gemmax.cli import app
-from gemmax.gguf_loader import load_gguf
-from gemmax.tokenizer import load_tokenizer
+from gemmax.weights.builtin import MARKER, convert
+from gemmax.weights.checkpoint import load_checkpoint
+from gemmax.weights.gguf import load_gguf
+from gemmax.weights.tokenizer import load_tokenizer
 from test_gguf_loader import param_leaves, write_gguf
 
 PROMPT = "The capital of France is"
@@ -94,7 +94,7 @@ def test_builtin_messages_name_what_happens(capfd, tmp_path, hf_checkpoints):
 
 
 def test_incomplete_cache_is_not_taken_for_complete(tmp_path, hf_checkpoints):
-    from gemmax.builtin import FORMAT_VERSION, _is_complete
+    from gemmax.weights.builtin import FORMAT_VERSION, _is_complete
 
     directory, _ = hf_checkpoints["g3_small"]
     target = tmp_path / "hf"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from gemmax.checkpoint import CheckpointError, build_params, load_checkpoint
-from gemmax.config import E2B_TEXT_CONFIG, ConfigError, ModelConfig
-from gemmax.params import count_params, param_specs
+from gemmax.model.config import E2B_TEXT_CONFIG, ConfigError, ModelConfig
+from gemmax.model.params import count_params, param_specs
+from gemmax.weights.checkpoint import CheckpointError, build_params, load_checkpoint
 
 E2B_TEXT_PARAMS = 4_628_569_344  # spec §15, from a meta-device count of transformers' model
 

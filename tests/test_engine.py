@@ -16,8 +16,8 @@ import pytest
 from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.engine import BatchEngine, plan_chunks
-from gemmax.generate import generate
-from gemmax.runtime import load_model
+from gemmax.engine.generate import generate
+from gemmax.engine.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_degeneracy_check_judges_loops_collapse_and_normal_text():
 def test_restart_with_warm_compile_cache_hits_it(hf_checkpoints, tmp_path):
     """Two fresh processes share a cache dir: the first misses and writes it, the second hits it."""
     script = (
-        "import json, sys; from gemmax.runtime import load_model; from gemmax.engine.engine import BatchEngine;"
+        "import json, sys; from gemmax.engine.loading import load_model; from gemmax.engine.engine import BatchEngine;"
         "e = BatchEngine(load_model(sys.argv[1], 'float32'), max_model_len=64, max_batch=2, buckets=(16,),"
         " compile_cache_dir=sys.argv[2]).start(background=False); print(json.dumps(e.warmup_report)); e.shutdown(1)"
     )
@@ -306,7 +306,7 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
 
     from gemmax.engine.engine import decode_rows
     from gemmax.engine.sampling import SamplingState
-    from gemmax.model import init_cache
+    from gemmax.model.forward import init_cache
 
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
     assert config.sliding_window == 4

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemmax.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
 from gemmax.engine.fastpath import (
     COPY,
     GATHER,
@@ -26,9 +25,10 @@ from gemmax.engine.fastpath import (
     split_columns,
 )
 from gemmax.engine.policy import choose_policy
-from gemmax.linear import GEMV_MAX_IN, linear, lookup
-from gemmax.model import Precision, forward, init_cache
-from gemmax.params import abstract_params, random_params
+from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
+from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.linear import GEMV_MAX_IN, linear, lookup
+from gemmax.model.params import abstract_params, random_params
 
 CPU = choose_policy("cpu", "test", None, 1, cpu_gemv_fusion=True)
 GPU = choose_policy("gpu", "NVIDIA L4", "8.9", 1)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gemmax.checkpoint import load_checkpoint
-from gemmax.generate import generate
-from gemmax.model import forward, init_cache
+from gemmax.engine.generate import generate
+from gemmax.model.forward import forward, init_cache
+from gemmax.weights.checkpoint import load_checkpoint
 
 TOL = 1e-4
 CONFIGS = {

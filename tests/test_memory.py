@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 from gemmax.cli import app
-from gemmax.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.memory import (
     GiB,
@@ -31,8 +30,9 @@ from gemmax.engine.memory import (
     weight_bytes,
 )
 from gemmax.engine.policy import choose_policy
-from gemmax.model import Precision, forward, init_cache
-from gemmax.params import abstract_params, count_params, param_specs
+from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
+from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.params import abstract_params, count_params, param_specs
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from gemmax.checkpoint import load_checkpoint
-from gemmax.generate import generate
-from gemmax.model import forward_jit as forward
-from gemmax.model import init_cache
+from gemmax.engine.generate import generate
+from gemmax.model.forward import forward_jit as forward
+from gemmax.model.forward import init_cache
+from gemmax.weights.checkpoint import load_checkpoint
 
 CONFIGS = ["g4_shared", "g4_k_eq_v", "g4_plain", "g3_small"]
 TOL = 1e-4

@@ -12,10 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from gemmax.cli import app
-from gemmax.config import E2B_TEXT_CONFIG, ModelConfig
 from gemmax.engine.policy import choose_policy, cpu_gemv_fuses, device_policy, log_policy
-from gemmax.model import init_cache
-from gemmax.params import random_params
+from gemmax.model.config import E2B_TEXT_CONFIG, ModelConfig
+from gemmax.model.forward import init_cache
+from gemmax.model.params import random_params
 
 
 def test_live_cpu_policy():

@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gemmax.cli import app
-from gemmax.config import ModelConfig
-from gemmax.linear import linear, lookup
-from gemmax.params import param_specs
+from gemmax.model.config import ModelConfig
+from gemmax.model.linear import linear, lookup
+from gemmax.model.params import param_specs
 from gemmax.profile import load
 from gemmax.profile.bandwidth import peak_bandwidth, spec_bandwidth
 from gemmax.profile.hlo import Classifier, HloIndex

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from gemmax import quant as Q
 from gemmax.cli import app
-from gemmax.config import E2B_TEXT_CONFIG, ModelConfig
 from gemmax.engine.fastpath import COPY, GEMV, column_blocks, decode_weight_reads, split_columns
 from gemmax.engine.memory import weight_bytes
-from gemmax.linear import linear, lookup
-from gemmax.pallas_w4a16 import (
+from gemmax.model.config import E2B_TEXT_CONFIG, ModelConfig
+from gemmax.model.linear import linear, lookup
+from gemmax.model.params import param_specs
+from gemmax.quant import forms as Q
+from gemmax.quant.pallas_w4a16 import (
     SMEM_PER_BLOCK,
     TPU_SCOPED_VMEM,
     TPU_TILES,
@@ -28,7 +29,6 @@ from gemmax.pallas_w4a16 import (
     check_w4a16_fits,
     w4a16_matmul,
 )
-from gemmax.params import param_specs
 
 E2B = {**E2B_TEXT_CONFIG, "use_bidirectional_attention": None}
 

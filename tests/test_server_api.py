@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from fake_engine import fake_server, read_metric
-from gemmax.tokenizer import load_tokenizer
+from gemmax.weights.tokenizer import load_tokenizer
 from tiny_checkpoint import write_tokenizer
 
 USER = "Hello café €"

@@ -9,7 +9,7 @@ import pytest
 
 from gemmax.server.detokenize import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher, TokenTable
 from gemmax.server.protocol import ChatCompletionRequest, validation_message
-from gemmax.tokenizer import load_tokenizer
+from gemmax.weights.tokenizer import load_tokenizer
 from tiny_checkpoint import BYTE_OFFSET, VOCAB_SIZE, write_tokenizer
 
 
@@ -23,7 +23,7 @@ def byte_level(tmp_path_factory):
     """A GPT-2 style byte-level BPE tokenizer (no byte-fallback tokens): the other decoder family."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from gemmax.tokenizer import Tokenizer as Wrapper
+    from gemmax.weights.tokenizer import Tokenizer as Wrapper
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

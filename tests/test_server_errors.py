@@ -11,7 +11,7 @@ import pytest
 
 from fake_engine import fake_server, read_metric
 from gemmax.server.app import ServerSettings
-from gemmax.tokenizer import load_tokenizer
+from gemmax.weights.tokenizer import load_tokenizer
 from tiny_checkpoint import BOS_ID, write_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -20,7 +20,7 @@ import pytest
 from fake_engine import fake_server, read_metric
 from gemmax.server.app import ServerSettings
 from gemmax.server.serve import serve
-from gemmax.tokenizer import load_tokenizer
+from gemmax.weights.tokenizer import load_tokenizer
 from tiny_checkpoint import write_tokenizer
 
 TESTS = Path(__file__).parent

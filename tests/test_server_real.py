@@ -22,8 +22,8 @@ from fake_engine import read_metric, running_server
 from gemmax.cli import app as cli
 from gemmax.engine.api import SamplingParams
 from gemmax.engine.engine import BatchEngine
-from gemmax.generate import generate
-from gemmax.runtime import load_model
+from gemmax.engine.generate import generate
+from gemmax.engine.loading import load_model
 from gemmax.server.app import ServerSettings, create_app
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -54,7 +54,7 @@ def server(checkpoint, loaded):
 
 
 def reference(loaded, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """gemmax.generate: the single-request reference path behind `gemmax generate`."""
+    """gemmax.engine.generate: the single-request reference path behind `gemmax generate`."""
     ckpt = loaded.checkpoint
     return generate(ckpt.params, ckpt.config, ids, max_tokens, SamplingParams(), loaded.policy.precision())
 

@@ -4,7 +4,7 @@
 `<pad> <eos> <bos> <unk> <|turn> <turn|>`), `tokenizer_config.json` and a `chat_template.jinja` that
 renders the Gemma 4 turn format (`<bos><|turn>user\\nHello<turn|>\\n<|turn>model\\n`).
 `write_tiny_checkpoint(dir)` adds random weights from transformers (tests/hf_reference.py configs) whose
-vocabulary matches the tokenizer, so `gemmax.runtime.load_model(dir)` loads model and tokenizer
+vocabulary matches the tokenizer, so `gemmax.engine.loading.load_model(dir)` loads model and tokenizer
 together. Characters outside the learned vocabulary (e.g. "é", "€") fall back to byte tokens, so a
 multi-byte character spans several tokens, which is what the server's UTF-8 hold-back must handle.
 """

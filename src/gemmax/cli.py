@@ -49,8 +49,8 @@ def with_quant_options(command):
 
     @functools.wraps(command)
     def wrapper(**kwargs):
-        from gemmax.pallas_w4a16 import W4Tiles
-        from gemmax.quant import QuantError, QuantOptions
+        from gemmax.quant.forms import QuantError, QuantOptions
+        from gemmax.quant.pallas_w4a16 import W4Tiles
 
         values = {name: kwargs.pop(name) for name in _QUANT_OPTIONS}
         try:
@@ -89,8 +89,8 @@ def generate(
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of --prompt or --prompt-ids")
     from gemmax.engine.api import SamplingParams
-    from gemmax.generate import generate as run
-    from gemmax.runtime import load_model
+    from gemmax.engine.generate import generate as run
+    from gemmax.engine.loading import load_model
 
     try:
         loaded = load_model(model, dtype, quant)
@@ -150,8 +150,8 @@ def fit(
     memory = int(device_memory_gib * GiB) if device_memory_gib is not None else p.device_memory_bytes
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
-    from gemmax.quant import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
-    from gemmax.runtime import quant_for
+    from gemmax.engine.loading import quant_for
+    from gemmax.quant.forms import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
 
     config = load_config(model)
     quant = quant_for(model, dtype, quant)
@@ -194,7 +194,7 @@ def serve(
     from gemmax.server.serve import serve as run_server
 
     if served_model_name is None:
-        from gemmax.builtin import NAME as BUILTIN_NAME
+        from gemmax.weights.builtin import NAME as BUILTIN_NAME
 
         served_model_name = model or BUILTIN_NAME
     settings = ServerSettings(served_model_name=served_model_name, model_root=model, api_key=api_key,
@@ -202,7 +202,7 @@ def serve(
 
     def load():
         from gemmax.engine.engine import BatchEngine
-        from gemmax.runtime import load_model
+        from gemmax.engine.loading import load_model
 
         loaded = load_model(model, dtype, quant)
         engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch)

@@ -77,7 +77,7 @@ def server_counter(client: httpx.AsyncClient, model: str) -> CountFn:
 
 
 def local_counter(tokenizer_dir: Path) -> CountFn:
-    from gemmax.tokenizer import load_tokenizer
+    from gemmax.weights.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(tokenizer_dir))
     if tokenizer is None:

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import ModelConfig
 from gemmax.engine import compile_cache
 from gemmax.engine.api import (
     EngineNotReady,
@@ -51,7 +50,8 @@ from gemmax.engine.api import (
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
-from gemmax.model import Precision, forward, init_cache
+from gemmax.model.config import ModelConfig
+from gemmax.model.forward import Precision, forward, init_cache
 
 log = logging.getLogger("gemmax.engine")
 

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 
 import jax
 
-from gemmax.config import ModelConfig
-from gemmax.linear import GEMV_MAX_IN, column_blocks
-from gemmax.params import Params, map_params
+from gemmax.model.config import ModelConfig
+from gemmax.model.linear import GEMV_MAX_IN, column_blocks
+from gemmax.model.params import Params, map_params
 
 
 def split_columns(w: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -65,7 +65,7 @@ GEMM_LEFT = "gemm, weight on the left"  # the same with the weight as its left o
 GATHER = "gather"  # rows gathered (embedding lookup)
 COPY = "copy"  # anything else: a converted / transposed copy of the weight, a plain dot, ...
 # A fused matrix-vector dot whose vector is an [h, d] array reshaped inside the fusion: it indexes the
-# vector in its inner loop and runs ~10x slower (gemmax.linear.flat_vector prevents it).
+# vector in its inner loop and runs ~10x slower (gemmax.model.linear.flat_vector prevents it).
 GEMV_RESHAPED_VECTOR = "gemv on a reshaped vector"
 
 _INDEX_TYPES = ("pred", "s32", "s64", "u32", "u64")  # token ids, positions: never weights

@@ -1,6 +1,6 @@
 """Memory plan (weights + KV cache + workspace vs device memory) and decode-step traffic.
 
-KV cache: exactly what `gemmax.model.init_cache` allocates. Only layers that own a KV cache store
+KV cache: exactly what `gemmax.model.forward.init_cache` allocates. Only layers that own a KV cache store
 one (KV-sharing "reuse" layers read their donor's); each stores K and V of [slots, nkv, hd], with
 slots = max_len on full-attention layers and a ring of min(window, max_len) on sliding layers. Note
 that gemmax's ring keeps `window` slots (512 for Gemma 4 E2B) where transformers keeps window - 1
@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import LayerSpec, ModelConfig
-from gemmax.model import cache_slots
-from gemmax.params import Params, abstract_params, count_bytes
+from gemmax.model.config import LayerSpec, ModelConfig
+from gemmax.model.forward import cache_slots
+from gemmax.model.params import Params, abstract_params, count_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -128,14 +128,14 @@ def load_config(model: str) -> ModelConfig:
     import json
     from pathlib import Path
 
-    from gemmax.checkpoint import HUB_ID, hub_fetch
-    from gemmax.config import ConfigError
+    from gemmax.model.config import ConfigError
+    from gemmax.weights.checkpoint import HUB_ID, hub_fetch
 
     path = Path(model).expanduser()
     if path.is_dir():
         return ModelConfig.from_dir(path)
     if path.is_file() and path.suffix == ".gguf":
-        from gemmax.gguf_loader import open_gguf
+        from gemmax.weights.gguf import open_gguf
 
         return open_gguf(path).config
     if path.is_file():

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmax.model import Precision, cache_dtype
+from gemmax.model.forward import Precision, cache_dtype
 
 log = logging.getLogger("gemmax")
 
@@ -134,7 +134,7 @@ def cpu_gemv_fuses(weight_dtype: str = "bfloat16") -> bool:
     """Whether this XLA:CPU compiles `linear` at one row into the fused matrix-vector dot that streams
     `weight_dtype` weights directly (checked on the compiled HLO of a small probe, ~0.1 s)."""
     from gemmax.engine.fastpath import GEMV, decode_weight_reads
-    from gemmax.linear import linear
+    from gemmax.model.linear import linear
 
     w = jax.ShapeDtypeStruct((512, 384), DTYPES[weight_dtype])
     x = jax.ShapeDtypeStruct((1, 1, 384), jnp.float32)

@@ -45,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
-# gemmax.checkpoint.HUB_ID, restated: importing the checkpoint layer would pull JAX into the MCP process.
+# gemmax.weights.checkpoint.HUB_ID, restated: importing the checkpoint layer would pull JAX into the MCP process.
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 State = Literal["ready", "loading", "unreachable", "dead"]

@@ -1,6 +1,6 @@
 """Device check: the live device policy plus real matrix products checked against numpy.
 
-The products run through `gemmax.linear.linear`, the function every weight read of the model goes
+The products run through `gemmax.model.linear.linear`, the function every weight read of the model goes
 through, with the policy's dtypes (activations x weights), at one row (the decode matrix-vector
 spelling) and at eight rows (the batched / prefill spelling). The reference is numpy in float64 on
 the same rounded inputs (`linear` rounds x to the weight dtype before the product), so the only
@@ -75,7 +75,7 @@ def matmul_check(name: str, rows: int, activations: str, weights: str, seed: int
     import numpy as np
 
     from gemmax.engine.policy import DTYPES
-    from gemmax.linear import linear
+    from gemmax.model.linear import linear
 
     x, w = _inputs(name, rows, np.random.default_rng(seed))
     xd, wd = jnp.asarray(x, DTYPES[activations]), jnp.asarray(w, DTYPES[weights])

@@ -22,13 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmax.config import ModelConfig
 from gemmax.engine.engine import decode_step
 from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.sampling import SamplingState
-from gemmax.model import Precision, init_cache
-from gemmax.params import Params, map_params
+from gemmax.model.config import ModelConfig
+from gemmax.model.forward import Precision, init_cache
+from gemmax.model.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
 from gemmax.profile.report import OTHER, SCHEMA
@@ -65,10 +65,10 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         if model is None:
             raise ValueError("--random-weights needs --model (a directory, config.json, .gguf or hub id)")
         from gemmax.engine.fastpath import prepare_params
+        from gemmax.engine.loading import resolve_policy
         from gemmax.engine.memory import load_config
-        from gemmax.params import random_params
-        from gemmax.quant import QuantOptions, quantize_params
-        from gemmax.runtime import resolve_policy
+        from gemmax.model.params import random_params
+        from gemmax.quant.forms import QuantOptions, quantize_params
 
         quant = (quant or QuantOptions()).for_source(False, dtype_given=True)  # random weights: nothing was quantised
         config = load_config(model)
@@ -79,7 +79,7 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         params = prepare_params(params, config, policy)
         name = f"{model} (random weights)"
     else:
-        from gemmax.runtime import load_model
+        from gemmax.engine.loading import load_model
 
         loaded = load_model(model, dtype, quant)
         params, config, policy, name = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy, loaded.name

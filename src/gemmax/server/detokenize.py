@@ -58,7 +58,7 @@ def _invalid_utf8(data: bytes) -> bool:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, table: TokenTable | None = None):
-        self._tokenizer = tokenizer  # gemmax.tokenizer.Tokenizer, or None: token ids only, empty text
+        self._tokenizer = tokenizer  # gemmax.weights.tokenizer.Tokenizer, or None: token ids only, empty text
         self._skip = skip_special_tokens
         table = table if table is not None else TokenTable(tokenizer)
         self._byte_ids = table.byte_ids

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import ModelConfig
 from gemmax.engine.api import SamplingParams
 from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
-from gemmax.model import Precision, forward, init_cache
-from gemmax.params import Params
+from gemmax.model.config import ModelConfig
+from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.params import Params
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("cache",))

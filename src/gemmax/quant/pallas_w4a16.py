@@ -1,6 +1,6 @@
 """A fused W4A16 matmul in Pallas, and the check that its tiles fit the device's on-chip memory.
 
-The kernel computes y [M, N] = x [M, K] @ W.T for one packing chunk of an `Int4Weight` (gemmax.quant:
+The kernel computes y [M, N] = x [M, K] @ W.T for one packing chunk of an `Int4Weight` (gemmax.quant.forms:
 K <= 4095 columns; byte j of row n holds column j in its low nibble and column K/2 + j in its high
 nibble, two's-complement int4; one bfloat16 scale per `group` columns). Each program of the grid
 (M / bm, N / bn) owns one [bm, bn] output block: it walks K in steps of `bk` columns (bk/2 packed
@@ -140,9 +140,9 @@ def block_bytes(shape: tuple[int, int], tiles: W4Tiles, group: int, x_itemsize: 
 
 def w4a16_shapes(config) -> dict[tuple[int, int, int], tuple[str, ...]]:
     """{(N, K chunk, group): matrix names} for every matrix an `Int4Weight` stores, chunked as
-    gemmax.quant packs it."""
-    from gemmax.params import param_specs
-    from gemmax.quant import int4_group, packing_chunks
+    gemmax.quant.forms packs it."""
+    from gemmax.model.params import param_specs
+    from gemmax.quant.forms import int4_group, packing_chunks
 
     shapes: dict[tuple[int, int, int], list[str]] = {}
     for spec in param_specs(config):

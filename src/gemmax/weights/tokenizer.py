@@ -2,7 +2,7 @@
 
 A checkpoint directory provides `tokenizer.json` and a chat template (`chat_template.jinja`, or the
 `chat_template` field of `tokenizer_config.json`). GGUF files build the same `Tokenizer` from their
-metadata (gemmax.gguf_loader). The engine never sees text; the server and `gemmax generate` do.
+metadata (gemmax.weights.gguf). The engine never sees text; the server and `gemmax generate` do.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gemmax.config import LayerSpec, ModelConfig
-from gemmax.linear import linear, lookup
-from gemmax.params import Params
+from gemmax.model.config import LayerSpec, ModelConfig
+from gemmax.model.linear import linear, lookup
+from gemmax.model.params import Params
 
 KVCache = tuple[dict[str, jax.Array] | None, ...]
 _MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free

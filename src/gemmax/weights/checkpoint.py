@@ -19,8 +19,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import ModelConfig
-from gemmax.params import Params, count_bytes, param_specs, tree_from_leaves
+from gemmax.model.config import ModelConfig
+from gemmax.model.params import Params, count_bytes, param_specs, tree_from_leaves
 
 # Prefixes of the text decoder in the layouts transformers writes, most specific first.
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -41,7 +41,7 @@ class Checkpoint:
     weight_bytes: int
     source: str  # what was loaded (directory, file or hub id)
     directory: Path | None  # where tokenizer / chat template files live, when there is one
-    tokenizer: Any = None  # a gemmax.tokenizer.Tokenizer when the file carries one (GGUF)
+    tokenizer: Any = None  # a gemmax.weights.tokenizer.Tokenizer when the file carries one (GGUF)
 
 
 def read_tensors_safetensors(directory: Path) -> tuple[list[str], Callable[[str], np.ndarray]]:
@@ -170,7 +170,7 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load a local HF directory, a hub id, or a `.gguf` file into a params pytree."""
     if str(model).endswith(".gguf"):
-        from gemmax.gguf_loader import load_gguf
+        from gemmax.weights.gguf import load_gguf
 
         return load_gguf(Path(model), weight_dtype=weight_dtype, transform=transform)
     directory = resolve_model_dir(model)

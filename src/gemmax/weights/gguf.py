@@ -17,7 +17,7 @@ translations, after which `checkpoint.build_params` applies the one map and its 
    equal llama.cpp's (`tokenizer_from_gguf`), plus a built-in Gemma 3 chat template (the files carry
    none).
 
-`open_gguf` exposes the translated config, names and reader on their own: `gemmax.builtin` uses them
+`open_gguf` exposes the translated config, names and reader on their own: `gemmax.weights.builtin` uses them
 to convert a GGUF once into an HF directory that loads fast.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from gemmax.checkpoint import Checkpoint, CheckpointError, build_params
-from gemmax.config import FULL, SLIDING, ModelConfig
-from gemmax.params import param_specs
-from gemmax.tokenizer import Tokenizer
+from gemmax.model.config import FULL, SLIDING, ModelConfig
+from gemmax.model.params import param_specs
+from gemmax.weights.checkpoint import Checkpoint, CheckpointError, build_params
+from gemmax.weights.tokenizer import Tokenizer
 
 ARCHITECTURES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 HF_PREFIX = "model."

@@ -7,15 +7,15 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from gemmax.checkpoint import Checkpoint, load_checkpoint
-from gemmax.config import ModelConfig
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.memory import load_config
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
-from gemmax.params import count_bytes
-from gemmax.quant import QuantOptions
-from gemmax.quant import resolve as resolve_quant
-from gemmax.tokenizer import Tokenizer, load_tokenizer
+from gemmax.model.config import ModelConfig
+from gemmax.model.params import count_bytes
+from gemmax.quant.forms import QuantOptions
+from gemmax.quant.forms import resolve as resolve_quant
+from gemmax.weights.checkpoint import Checkpoint, load_checkpoint
+from gemmax.weights.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("gemmax")
 
@@ -48,10 +48,10 @@ def quantized_source(model: str) -> bool:
     if path.suffix == ".gguf" and path.is_file():
         from gguf import GGUFReader
 
-        from gemmax.gguf_loader import stores_quantized
+        from gemmax.weights.gguf import stores_quantized
 
         return stores_quantized(GGUFReader(path))
-    from gemmax.builtin import converted_from_quantized
+    from gemmax.weights.builtin import converted_from_quantized
 
     return path.is_dir() and converted_from_quantized(path)
 
@@ -63,12 +63,12 @@ def quant_for(model: str, dtype: str | None, quant: QuantOptions) -> QuantOption
 
 def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
-    `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
+    `quant`: load-time quantisation (gemmax.quant.forms): tensors are quantised one at a time as they load,
     and the W4A16 Pallas tiles are checked against the device before any weight is read; quant="auto"
     is resolved here from the checkpoint (`QuantOptions.for_source`)."""
     quant = quant or QuantOptions()
     if model is None:
-        from gemmax.builtin import default_model_path
+        from gemmax.weights.builtin import default_model_path
 
         model = str(default_model_path())
     quant = quant_for(model, dtype, quant)

@@ -76,7 +76,7 @@ def convert(gguf: Path, target: Path) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from safetensors.numpy import save_file
 
-    from gemmax.gguf_loader import open_gguf
+    from gemmax.weights.gguf import open_gguf
 
     start = time.perf_counter()
     _say(f"gemmax: converting {gguf.name} once into {target} (dequantising to float32, ~1.1 GB; later loads skip this) ...")

@@ -1,9 +1,9 @@
 """Load-time quantisation: int8 and W4A16 linear layers, an int8 LM head, 8/4-bit per-layer embeddings.
 
-Options travel as one frozen `QuantOptions` from the CLI through `gemmax.runtime.load_model` into the
+Options travel as one frozen `QuantOptions` from the CLI through `gemmax.engine.loading.load_model` into the
 loader's `transform` hook: each tensor is quantised as it is read, so peak host memory stays near
 the quantised size. The stored forms are registered dataclass pytrees, so params stay a pytree and
-`jit`, `eval_shape` and byte counting (`jax.tree.leaves`) keep working; `gemmax.linear.linear` and
+`jit`, `eval_shape` and byte counting (`jax.tree.leaves`) keep working; `gemmax.model.linear.linear` and
 `lookup` hand them to `linear` / `lookup` here.
 
 Forms (scales are bfloat16: float32's range in 2 bytes, a 2^-9 relative rounding that is small
@@ -33,7 +33,7 @@ How each form is multiplied (`kernel`, chosen at load for the device):
   for the cache (an LM head) at 4-8 rows is converted tile by tile inside a loop and multiplied by
   the GEMM (`tiled`): read once as int8, each bf16 tile used while it is in cache.
 - "xla" (GPU, TPU): dequantise and dot with float32 accumulation; XLA fuses the dequantisation.
-- "pallas" / "pallas_interpret": W4A16 through the fused Pallas kernel (gemmax.pallas_w4a16) with
+- "pallas" / "pallas_interpret": W4A16 through the fused Pallas kernel (gemmax.quant.pallas_w4a16) with
   tiles checked against the device's on-chip memory at start-up; interpret mode is the CPU simulator.
 """
 
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gemmax.pallas_w4a16 import W4A16FitError, W4Tiles, check_w4a16_fits, onchip_limit, w4a16_matmul
+from gemmax.quant.pallas_w4a16 import W4A16FitError, W4Tiles, check_w4a16_fits, onchip_limit, w4a16_matmul
 
 QUANT_MODES = ("auto", "none", "int8", "w4a16")
 PLE_BITS = (16, 8, 4)
@@ -260,7 +260,7 @@ def linear(x: jax.Array, w) -> jax.Array:
 def _sum(parts: list[jax.Array]) -> jax.Array:
     if len(parts) == 1:
         return parts[0]
-    # An add fused onto a matrix-vector dot makes XLA:CPU copy the weight out (see gemmax.linear).
+    # An add fused onto a matrix-vector dot makes XLA:CPU copy the weight out (see gemmax.model.linear).
     parts = lax.optimization_barrier(parts)
     return sum(parts[1:], parts[0])
 
@@ -271,7 +271,7 @@ def _gemv(x: jax.Array, blocks: tuple) -> jax.Array:
     # x rounded to the compute dtype, as the plain bf16 path does (x.astype(W.dtype)). The rounding
     # also keeps the vector's producer (final norm, residual add) out of the dot's fusion: fused into
     # the vector side it made the int8 LM head 2-4x slower (measured on the E2B-shaped decode step).
-    from gemmax.linear import flat_vector  # gemmax.linear imports this module
+    from gemmax.model.linear import flat_vector  # gemmax.model.linear imports this module
 
     x = flat_vector(x.astype(blocks[0].compute_dtype).astype(F32))  # a plain row (see there)
     parts, start = [], 0
@@ -311,9 +311,9 @@ def _tile_rows(n: int) -> int:
 def _int8_tiles(x: jax.Array, blocks: tuple) -> jax.Array:
     """x [rows, in] (a few rows: batched decode) @ W.T for an int8 W (or its column blocks) -> [rows, out]
     float32: a loop over tiles of output rows, each converted to the compute dtype (exact: |q| <= 127)
-    and multiplied by XLA:CPU's GEMM (`gemmax.linear`), scales applied after. The weight is read once
+    and multiplied by XLA:CPU's GEMM (`gemmax.model.linear`), scales applied after. The weight is read once
     as int8; its bf16 tile (at most DEQUANT_TILE_ROWS x in) stays in cache for the GEMM."""
-    from gemmax.linear import linear  # gemmax.linear imports this module
+    from gemmax.model.linear import linear  # gemmax.model.linear imports this module
 
     dtype = blocks[0].compute_dtype
     parts, start = [], 0
@@ -361,7 +361,7 @@ def _pallas(x: jax.Array, blocks: tuple, interpret: bool) -> jax.Array:
 
 def packing_chunks(k: int) -> tuple[int, ...]:
     """Widths of an int4 matrix's packing chunks: `linear.column_blocks(k)` (each <= 4095, even)."""
-    from gemmax.linear import column_blocks
+    from gemmax.model.linear import column_blocks
 
     widths = column_blocks(k)
     if any(w % 2 for w in widths):
@@ -506,7 +506,7 @@ class Quantizer:
 
 def quantize_params(params: dict[str, Any], config, options: QuantOptions, kernel: str = "xla") -> dict[str, Any]:
     """Quantise loaded params (arrays, or ShapeDtypeStructs under `jax.eval_shape`)."""
-    from gemmax.params import map_params
+    from gemmax.model.params import map_params
 
     quantizer = Quantizer.for_config(options, config, kernel)
     return quantizer.finish(map_params(params, config, quantizer.transform))
@@ -552,7 +552,7 @@ def resolve(options: QuantOptions, platform: str, compute_capability: str | None
         fit = check_w4a16_fits(config, tiles, device_limit=1 << 62, platform="cpu")
         return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas_interpret", w4a16_tiles=fit.tiles),
                          kernel, "Pallas W4A16 kernel in interpret mode (simulated on CPU)")
-    from gemmax.pallas_w4a16 import describe_fit
+    from gemmax.quant.pallas_w4a16 import describe_fit
 
     limit = onchip_limit(platform, compute_capability)
     try:
@@ -584,7 +584,7 @@ BYTES_TABLE = {
 
 def quantized_weight_bytes(config, options: QuantOptions, weight_dtype: Any = jnp.bfloat16) -> int:
     """Exact bytes of the params a load with `options` keeps, from shapes alone (`jax.eval_shape`)."""
-    from gemmax.params import abstract_params, count_bytes
+    from gemmax.model.params import abstract_params, count_bytes
 
     shapes = jax.eval_shape(lambda p: quantize_params(p, config, options), abstract_params(config, weight_dtype))
     return count_bytes(shapes)

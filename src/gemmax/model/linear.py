@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gemmax import quant
+from gemmax.quant import forms as quant
 
 # Largest `in` whose float32 vector (in * 4 bytes) stays under the 16 KiB XLA:CPU's matrix-vector
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
@@ -62,7 +62,7 @@ def column_blocks(n_in: int, max_in: int = GEMV_MAX_IN) -> tuple[int, ...]:
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype (float32 accumulation)."""
-    if quant.is_quantized(w):  # int8 / int4 forms (gemmax.quant) and their column blocks
+    if quant.is_quantized(w):  # int8 / int4 forms (gemmax.quant.forms) and their column blocks
         return quant.linear(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k)  # [rows, in]: a 3-D operand loses the CPU matrix-vector fusion
@@ -140,7 +140,7 @@ def _blocks(x: jax.Array, blocks: tuple[jax.Array, ...]) -> jax.Array:
 
 def lookup(table, ids: jax.Array, dtype) -> jax.Array:
     """Rows of an embedding table [V, D] (or its column blocks) for ids [...] -> [..., D] in `dtype`."""
-    if quant.is_quantized(table):  # 8 / 4-bit tables (gemmax.quant)
+    if quant.is_quantized(table):  # 8 / 4-bit tables (gemmax.quant.forms)
         return quant.lookup(table, ids, dtype)
     if isinstance(table, tuple):
         return jnp.concatenate([jnp.take(block, ids, axis=0).astype(dtype) for block in table], axis=-1)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.config import ModelConfig
+from gemmax.model.config import ModelConfig
 
 Kind = Literal["matrix", "embedding", "norm", "scalar"]
 Params = dict[str, Any]
