@@ -37,7 +37,8 @@ from gemmax.engine.fastpath import check_decode_hlo, prepare_params  # noqa: E40
 from gemmax.engine.memory import bytes_per_decode_step, measure_read_bandwidth  # noqa: E402
 from gemmax.engine.policy import device_policy  # noqa: E402
 from gemmax.model.config import E2B_SIX_LAYER_CONFIG, ModelConfig  # noqa: E402
-from gemmax.model.forward import Precision, forward, init_cache  # noqa: E402
+from gemmax.model.forward import Precision, forward  # noqa: E402
+from gemmax.model.kv_cache import init_cache  # noqa: E402
 from gemmax.model.params import random_params  # noqa: E402
 
 QUIET = 0.15  # other processes' share of all cores below which a sample counts as quiet

@@ -57,7 +57,7 @@ def gemmax_step_runner(loaded, batch: int, context: int):
 
     from gemmax.engine.engine import decode_step, kv_buckets
     from gemmax.engine.sampling import SamplingState
-    from gemmax.model.forward import init_cache
+    from gemmax.model.kv_cache import init_cache
 
     config, precision = loaded.checkpoint.config, loaded.policy.precision()
     state = {

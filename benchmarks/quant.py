@@ -40,7 +40,8 @@ from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
 from gemmax.engine.sampling import SamplingState
 from gemmax.model.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.linear import GEMV_MAX_IN, linear
 from gemmax.model.params import count_bytes, random_params
 from gemmax.quant import forms as Q
@@ -210,7 +211,7 @@ def bench_e2b(names: list[str], args, policy) -> list[dict]:
 
 def bench_builtin(names: list[str], policy) -> list[dict]:
     from gemmax.weights.builtin import default_model_path
-    from gemmax.weights.checkpoint import load_checkpoint
+    from gemmax.weights.load import load_checkpoint
     from gemmax.weights.tokenizer import load_tokenizer
 
     directory = default_model_path()

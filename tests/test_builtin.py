@@ -25,8 +25,7 @@ from typer.testing import CliRunner
 
 from gemmax.cli import app
 from gemmax.weights.builtin import MARKER, convert
-from gemmax.weights.checkpoint import load_checkpoint
-from gemmax.weights.gguf import load_gguf
+from gemmax.weights.load import load_checkpoint
 from gemmax.weights.tokenizer import load_tokenizer
 from test_gguf_loader import param_leaves, write_gguf
 
@@ -64,7 +63,7 @@ def test_conversion_writes_an_hf_checkpoint_equal_to_the_gguf(hf_checkpoints, tm
     assert json.loads((target / MARKER).read_text())["format"] >= 1
     assert not list(tmp_path.glob("cache/hf.tmp-*"))  # written aside, then renamed
 
-    direct, converted = load_gguf(gguf_file, jnp.float32), load_checkpoint(target, jnp.float32)
+    direct, converted = load_checkpoint(gguf_file, jnp.float32), load_checkpoint(target, jnp.float32)
     assert converted.config == direct.config
     want, got = param_leaves(direct.params), param_leaves(converted.params)
     assert got.keys() == want.keys()

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 from gemmax.model.config import E2B_TEXT_CONFIG, ConfigError, ModelConfig
 from gemmax.model.params import count_params, param_specs
-from gemmax.weights.checkpoint import CheckpointError, build_params, load_checkpoint
+from gemmax.weights.checkpoint import CheckpointError, build_params
+from gemmax.weights.load import load_checkpoint
 
 E2B_TEXT_PARAMS = 4_628_569_344  # spec §15, from a meta-device count of transformers' model
 

@@ -306,7 +306,7 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
 
     from gemmax.engine.engine import decode_rows
     from gemmax.engine.sampling import SamplingState
-    from gemmax.model.forward import init_cache
+    from gemmax.model.kv_cache import init_cache
 
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
     assert config.sliding_window == 4

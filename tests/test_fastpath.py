@@ -26,7 +26,8 @@ from gemmax.engine.fastpath import (
 )
 from gemmax.engine.policy import choose_policy
 from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.linear import GEMV_MAX_IN, linear, lookup
 from gemmax.model.params import abstract_params, random_params
 

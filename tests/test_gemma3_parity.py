@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from gemmax.engine.generate import generate
-from gemmax.model.forward import forward, init_cache
-from gemmax.weights.checkpoint import load_checkpoint
+from gemmax.model.forward import forward
+from gemmax.model.kv_cache import init_cache
+from gemmax.weights.load import load_checkpoint
 
 TOL = 1e-4
 CONFIGS = {

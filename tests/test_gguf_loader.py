@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from gemmax.model.forward import forward, init_cache
-from gemmax.weights.checkpoint import CheckpointError, load_checkpoint
-from gemmax.weights.gguf import GGUFError, load_gguf, open_gguf
+from gemmax.model.forward import forward
+from gemmax.model.kv_cache import init_cache
+from gemmax.weights.checkpoint import CheckpointError
+from gemmax.weights.gguf import GGUFError, open_gguf
+from gemmax.weights.load import load_checkpoint, open_source
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -140,7 +142,7 @@ def param_leaves(params) -> dict[str, np.ndarray]:
 def test_float32_gguf_loads_to_the_safetensors_params(hf_checkpoints, tmp_path, name):
     directory, _ = hf_checkpoints[name]
     original = load_checkpoint(directory, weight_dtype=jnp.float32)
-    loaded = load_gguf(write_gguf(directory, tmp_path / f"{name}.gguf"), weight_dtype=jnp.float32)
+    loaded = load_checkpoint(write_gguf(directory, tmp_path / f"{name}.gguf"), weight_dtype=jnp.float32)
     _same_config(loaded.config, original.config)
     want, got = param_leaves(original.params), param_leaves(loaded.params)
     assert got.keys() == want.keys()
@@ -149,7 +151,7 @@ def test_float32_gguf_loads_to_the_safetensors_params(hf_checkpoints, tmp_path, 
         # Matrices round-trip exactly; Gemma 3 norms pass through (w + 1) - 1 + 1 in float32.
         np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
     assert loaded.weight_bytes == original.weight_bytes
-    assert loaded.directory is None and loaded.tokenizer is not None
+    assert loaded.source.directory is None and loaded.source.tokenizer is not None
 
 
 # Worst-case error of one stored weight, relative to the largest |w| of its matrix.
@@ -160,7 +162,7 @@ STORAGE = {"Q8_0": 1 / 127, "BF16": 2**-8, "F16": 2**-11}
 def test_quantised_gguf_dequantises_within_its_error_and_keeps_the_logits(hf_checkpoints, tmp_path, qtype):
     directory, _ = hf_checkpoints["g3_small"]
     original = load_checkpoint(directory, weight_dtype=jnp.float32)
-    loaded = load_gguf(write_gguf(directory, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype]),
+    loaded = load_checkpoint(write_gguf(directory, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype]),
                        weight_dtype=jnp.float32)
     want, got = param_leaves(original.params), param_leaves(loaded.params)
     for key in want:
@@ -196,7 +198,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
-        load_gguf(tmp_path / "llama.gguf")
+        load_checkpoint(tmp_path / "llama.gguf")
 
 
 def test_missing_tensor_and_non_gguf_are_refused(hf_checkpoints, tmp_path):
@@ -210,23 +212,24 @@ def test_missing_tensor_and_non_gguf_are_refused(hf_checkpoints, tmp_path):
         save_file({k: f.get_tensor(k) for k in sorted(f.keys()) if k != "model.layers.2.mlp.up_proj.weight"}, trimmed)
     (trimmed.parent / "config.json").write_text((directory / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"missing tensors in checkpoint: model\.layers\.2\.mlp\.up_proj"):
-        load_gguf(write_gguf(trimmed.parent, tmp_path / "missing.gguf"))
+        load_checkpoint(write_gguf(trimmed.parent, tmp_path / "missing.gguf"))
     (tmp_path / "fake.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(GGUFError, match="not a readable GGUF"):
-        load_gguf(tmp_path / "fake.gguf")
+        load_checkpoint(tmp_path / "fake.gguf")
     assert load_checkpoint(path, weight_dtype=jnp.float32).config.family == "gemma3"  # dispatch by suffix
 
 
 def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
     """`--quant auto` (the CLI default): a GGUF whose matrices are stored at 8 bits (Q8_0) loads as int8
     layers and an int8 LM head; a float GGUF, an HF directory, or an explicit --dtype load unquantised."""
-    from gemmax.engine.loading import load_model, quantized_source
+    from gemmax.engine.loading import load_model
     from gemmax.quant.forms import Int8Weight, QuantOptions
 
     directory, _ = hf_checkpoints["g3_small"]
     q8 = write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     bf16 = write_gguf(directory, tmp_path / "bf16.gguf", gguf.GGMLQuantizationType.BF16)
-    assert quantized_source(str(q8)) and not quantized_source(str(bf16)) and not quantized_source(str(directory))
+    stored_quantized = [open_source(str(path), weights=False).stored_quantized for path in (q8, bf16, directory)]
+    assert stored_quantized == [True, False, False]
     auto = QuantOptions(quant="auto")
     loaded = load_model(str(q8), None, auto)
     assert (loaded.policy.quant.quant, loaded.policy.quant.int8_lm_head) == ("int8", True)
@@ -236,3 +239,36 @@ def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
         plain = load_model(model, dtype, auto)
         assert plain.policy.quant.quant == "none" and not plain.policy.quant.int8_lm_head
         assert plain.checkpoint.params["layers"][0]["q"].dtype in (jnp.float32, jnp.bfloat16)
+
+
+def test_a_gguf_model_is_opened_once_and_its_config_parsed_once_from_serve_start_to_ready(
+        hf_checkpoints, tmp_path, monkeypatch):
+    """`gemmax serve --model x.gguf` resolves the file once (`open_source`): --quant auto, the config,
+    the tokenizer and the weights all read that one ModelSource."""
+    import gemmax.weights.gguf as gguf_module
+    from gemmax.engine.loading import start_engine
+    from gemmax.model.config import ModelConfig
+    from gemmax.quant.forms import QuantOptions
+
+    path = write_gguf(hf_checkpoints["g3_small"][0], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    opened, parsed = [], []
+    reader, from_hf_config = gguf_module.GGUFReader, ModelConfig.from_hf_config.__func__
+
+    def counting_reader(*args, **kwargs):
+        opened.append(args)
+        return reader(*args, **kwargs)
+
+    def counting_parse(cls, *args, **kwargs):
+        parsed.append(args)
+        return from_hf_config(cls, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_module, "GGUFReader", counting_reader)
+    monkeypatch.setattr(ModelConfig, "from_hf_config", classmethod(counting_parse))
+    engine, tokenizer = start_engine(str(path), None, QuantOptions(quant="auto"), max_model_len=32, max_batch=1,
+                                     buckets=(16,))
+    try:
+        assert engine.wait_ready(300) and tokenizer is not None
+        assert engine.info["policy"]["quant"]["quant"] == "int8"  # --quant auto saw the Q8_0 storage
+    finally:
+        engine.shutdown(drain_timeout=1)
+    assert len(opened) == 1 and len(parsed) == 1

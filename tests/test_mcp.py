@@ -259,8 +259,9 @@ async def test_transformers_rig_start_query_stop(state, checkpoint):
 
 
 async def test_verify_device_and_fit_check(state, checkpoint):
-    from gemmax.engine.memory import GiB, load_config, plan_memory
+    from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
+    from gemmax.weights.load import open_source
 
     policy = device_policy("auto")
     async with Client(build_server()) as client:
@@ -275,7 +276,7 @@ async def test_verify_device_and_fit_check(state, checkpoint):
 
         fit = ok(await client.call_tool("fit_check", {"model": str(checkpoint), "max_model_len": 128,
                                                       "max_batch": 2, "device_memory_gib": 1.0}))
-        expected = plan_memory(load_config(str(checkpoint)), 128, 2, GiB, weight_dtype=policy.weight_dtype,
+        expected = plan_memory(open_source(str(checkpoint), weights=False).config, 128, 2, GiB, weight_dtype=policy.weight_dtype,
                                kv_dtype=DTYPES[policy.kv_cache], activation_dtype=DTYPES[policy.activations],
                                prefill_tokens=policy.prefill_buckets[-1], model=str(checkpoint))
         # the memory plan's own fields, plus `gemmax fit`'s quantisation summary

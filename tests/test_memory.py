@@ -23,7 +23,6 @@ from gemmax.engine.memory import (
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_fixed_bytes,
-    load_config,
     measure_read_bandwidth,
     plan_memory,
     prefill_workspace_bytes,
@@ -31,8 +30,10 @@ from gemmax.engine.memory import (
 )
 from gemmax.engine.policy import choose_policy
 from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import abstract_params, count_params, param_specs
+from gemmax.weights.load import open_source
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_workspace_estimate_bounds_xla_buffer_assignment():
 
 def test_fit_cli_works_from_a_config_alone(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(E2B_TEXT_CONFIG))
-    assert load_config(str(tmp_path)).num_layers == 35
+    assert open_source(str(tmp_path), weights=False).config.num_layers == 35
     runner = CliRunner()
     ok = runner.invoke(app, ["fit", "--model", str(tmp_path), "--max-model-len", "4096", "--max-batch", "2",
                              "--device-memory-gib", "24", "--kv-dtype", "bfloat16", "--json"])

@@ -13,8 +13,8 @@ import torch
 
 from gemmax.engine.generate import generate
 from gemmax.model.forward import forward_jit as forward
-from gemmax.model.forward import init_cache
-from gemmax.weights.checkpoint import load_checkpoint
+from gemmax.model.kv_cache import init_cache
+from gemmax.weights.load import load_checkpoint
 
 CONFIGS = ["g4_shared", "g4_k_eq_v", "g4_plain", "g3_small"]
 TOL = 1e-4

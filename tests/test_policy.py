@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from gemmax.cli import app
 from gemmax.engine.policy import choose_policy, cpu_gemv_fuses, device_policy, log_policy
 from gemmax.model.config import E2B_TEXT_CONFIG, ModelConfig
-from gemmax.model.forward import init_cache
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import random_params
 
 

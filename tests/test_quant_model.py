@@ -40,7 +40,8 @@ from gemmax.engine.api import GenerationRequest, SamplingParams
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.generate import generate
 from gemmax.engine.loading import load_model
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import count_bytes, param_specs, tree_from_leaves
 from gemmax.quant import forms as Q
 
@@ -156,7 +157,8 @@ def test_int8_kv_cache_error_is_at_most_int8_weights(model, references):
     assert policy.precision().kv_cache == jnp.int8
     config, params = plain.checkpoint.config, plain.checkpoint.params
     cache = init_cache(config, 1, 8, policy.precision().kv_cache)
-    assert cache[0]["k"].dtype == jnp.int8 and cache[0]["k_scale"].shape == cache[0]["k"].shape[:3]  # [B, S, nkv]
+    layer = cache.layers[0]
+    assert layer.k.dtype == jnp.int8 and layer.k_scale.shape == layer.k.shape[:3]  # [B, S, nkv]
     logits = decode_logits(params, config, tokens, policy.precision().kv_cache)
     error = relative_error(logits, reference)
     int8_weights = Q.quantize_params(params, config, OPTIONS["int8"], "cpu")

@@ -141,7 +141,7 @@ def fit(
     against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
     import jax.numpy as jnp
 
-    from gemmax.engine.memory import GiB, load_config, plan_memory
+    from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
     if kv_dtype != "auto" and kv_dtype not in DTYPES:
@@ -152,9 +152,11 @@ def fit(
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
     from gemmax.engine.loading import quant_for
     from gemmax.quant.forms import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
+    from gemmax.weights.load import open_source
 
-    config = load_config(model)
-    quant = quant_for(model, dtype, quant)
+    source = open_source(model, weights=False)
+    config = source.config
+    quant = quant_for(source, dtype, quant)
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
@@ -200,14 +202,10 @@ def serve(
     settings = ServerSettings(served_model_name=served_model_name, model_root=model, api_key=api_key,
                               on_degenerate=on_degenerate, drain_timeout=drain_timeout)
 
-    def load():
-        from gemmax.engine.engine import BatchEngine
-        from gemmax.engine.loading import load_model
+    def load():  # /health answers 503 until the engine's warm-up is done
+        from gemmax.engine.loading import start_engine
 
-        loaded = load_model(model, dtype, quant)
-        engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch)
-        engine.start()  # warm-up runs in the engine's thread; /health turns 200 when it is done
-        return engine, loaded.tokenizer
+        return start_engine(model, dtype, quant, max_model_len=max_model_len, max_batch=max_batch)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 

@@ -51,7 +51,8 @@ from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
 from gemmax.model.config import ModelConfig
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 
 log = logging.getLogger("gemmax.engine")
 
@@ -117,11 +118,11 @@ def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk,
     """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
     no extra shape) sample the row's first token from its last real position; earlier chunks leave
     the row's sampling state (step counter, penalty counts) untouched."""
-    row_cache = _rows(cache, slot)
+    row_cache = cache.rows(slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                 precision=precision, kv_len=kv_len)
     ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(state, slot), want_logprobs[None], last_chunk[None])
-    return _put_rows(cache, row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
+    return cache.put_rows(row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -160,16 +161,12 @@ def decode_rows(params, cache, state, tokens, positions, remaining, want_logprob
     on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
     Outputs are per row of `rows`.
 
-    Of the cache, only the first kv_len slots of each row move when kv_len is below a layer's slot
-    count: every position is below kv_len, so later slots hold nothing yet and a ring has not wrapped
-    (as `model.forward` reads it). Moving whole rows cost ~20% of a step of the built-in model."""
-    def slots(a):  # the cache slots [S] of one array that move
-        return slice(None, None if kv_len is None else min(kv_len, a.shape[1]))
-
+    Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
+    cost ~20% of a step of the built-in model."""
     sub_cache, sub_state, ids, pos, rem, out = _decode(
-        params, jax.tree.map(lambda a: a[rows, slots(a)], cache), jax.tree.map(lambda a: a[rows], state),
+        params, cache.gather(rows, kv_len), jax.tree.map(lambda a: a[rows], state),
         tokens[rows], positions[rows], remaining[rows], want_logprobs[rows], config, precision, kv_len)
-    cache = jax.tree.map(lambda a, sub: a.at[rows, slots(a)].set(sub), cache, sub_cache)
+    cache = cache.scatter(rows, sub_cache, kv_len)
     state = jax.tree.map(lambda a, sub: a.at[rows].set(sub), state, sub_state)
     return (cache, state, tokens.at[rows].set(ids), positions.at[rows].set(pos), remaining.at[rows].set(rem), out)
 

@@ -15,7 +15,8 @@ import numpy as np
 from gemmax.engine.api import SamplingParams
 from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
 from gemmax.model.config import ModelConfig
-from gemmax.model.forward import Precision, forward, init_cache
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import Params
 
 

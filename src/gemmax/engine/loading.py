@@ -7,15 +7,17 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from gemmax.engine.engine import BatchEngine
 from gemmax.engine.fastpath import prepare_params
-from gemmax.engine.memory import load_config
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
 from gemmax.quant.forms import QuantOptions
 from gemmax.quant.forms import resolve as resolve_quant
-from gemmax.weights.checkpoint import Checkpoint, load_checkpoint
-from gemmax.weights.tokenizer import Tokenizer, load_tokenizer
+from gemmax.weights.checkpoint import Checkpoint
+from gemmax.weights.load import load_checkpoint, open_source
+from gemmax.weights.source import ModelSource
+from gemmax.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("gemmax")
 
@@ -41,42 +43,23 @@ def resolve_policy(dtype: str | None, quant: QuantOptions, config: ModelConfig |
     return policy, plan
 
 
-def quantized_source(model: str) -> bool:
-    """Whether a checkpoint stores its matrices at 8 bits or fewer: a quantised GGUF file, or the
-    built-in model's conversion of one (`QuantOptions.for_source` decides quant="auto" from it)."""
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        from gguf import GGUFReader
-
-        from gemmax.weights.gguf import stores_quantized
-
-        return stores_quantized(GGUFReader(path))
-    from gemmax.weights.builtin import converted_from_quantized
-
-    return path.is_dir() and converted_from_quantized(path)
+def quant_for(source: ModelSource, dtype: str | None, quant: QuantOptions) -> QuantOptions:
+    """`quant` with "auto" resolved for this checkpoint's stored precision and --dtype."""
+    return quant.for_source(source.stored_quantized, dtype_given=dtype not in (None, "auto"))
 
 
-def quant_for(model: str, dtype: str | None, quant: QuantOptions) -> QuantOptions:
-    """`quant` with "auto" resolved for this checkpoint and --dtype (the file is opened only for auto)."""
-    return quant.for_source(quant.quant == "auto" and quantized_source(model), dtype_given=dtype not in (None, "auto"))
-
-
-def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
-    """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
-    `quant`: load-time quantisation (gemmax.quant.forms): tensors are quantised one at a time as they load,
-    and the W4A16 Pallas tiles are checked against the device before any weight is read; quant="auto"
-    is resolved here from the checkpoint (`QuantOptions.for_source`)."""
-    quant = quant or QuantOptions()
-    if model is None:
-        from gemmax.weights.builtin import default_model_path
-
-        model = str(default_model_path())
-    quant = quant_for(model, dtype, quant)
+def load_model(model: str | Path | ModelSource | None, dtype: str | None = None,
+               quant: QuantOptions | None = None) -> LoadedModel:
+    """`model`: a local HF directory, a `.gguf` file, a hub id, None for the built-in default, or a
+    source already opened. `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at
+    a time as they load, and the W4A16 Pallas tiles are checked against the device before any weight
+    is read; quant="auto" is resolved here from the checkpoint (`QuantOptions.for_source`)."""
+    source = model if isinstance(model, ModelSource) else open_source(model)
+    quant = quant_for(source, dtype, quant or QuantOptions())
     quantizes = quant.changes_weights
-    config = load_config(model) if quantizes else None  # shapes only: no weight is read yet
-    policy, plan = resolve_policy(dtype, quant, config)
-    quantizer = plan.quantizer(config) if quantizes else None
-    checkpoint = load_checkpoint(model, weight_dtype=policy.weight_dtype,
+    policy, plan = resolve_policy(dtype, quant, source.config if quantizes else None)
+    quantizer = plan.quantizer(source.config) if quantizes else None
+    checkpoint = load_checkpoint(source, weight_dtype=policy.weight_dtype,
                                  transform=None if quantizer is None else quantizer.transform)
     if quantizer is not None:  # adds the int8 LM head; bytes recounted exactly from what is kept
         params = quantizer.finish(checkpoint.params)
@@ -84,8 +67,14 @@ def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions 
     # The stored form `linear` reads fastest on this device (K-split column blocks on CPU).
     checkpoint = dataclasses.replace(
         checkpoint, params=prepare_params(checkpoint.params, checkpoint.config, policy))
-    if checkpoint.tokenizer is not None:
-        tokenizer = checkpoint.tokenizer
-    else:
-        tokenizer = load_tokenizer(checkpoint.directory) if checkpoint.directory else None
-    return LoadedModel(checkpoint=checkpoint, tokenizer=tokenizer, policy=policy, name=str(model))
+    return LoadedModel(checkpoint=checkpoint, tokenizer=source.tokenizer, policy=policy, name=source.name)
+
+
+def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, **engine_options):
+    """What `gemmax serve` runs before it can answer: resolve and load the model, build the batching
+    engine and start its warm-up (in the engine's thread; it reports ready when done).
+    Returns (engine, tokenizer)."""
+    loaded = load_model(model, dtype, quant)
+    engine = BatchEngine(loaded, **engine_options)
+    engine.start()
+    return engine, loaded.tokenizer

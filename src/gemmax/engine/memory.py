@@ -1,6 +1,6 @@
 """Memory plan (weights + KV cache + workspace vs device memory) and decode-step traffic.
 
-KV cache: exactly what `gemmax.model.forward.init_cache` allocates. Only layers that own a KV cache store
+KV cache: exactly what `gemmax.model.kv_cache.init_cache` allocates (counted from its `jax.eval_shape`). Only layers that own a KV cache store
 one (KV-sharing "reuse" layers read their donor's); each stores K and V of [slots, nkv, hd], with
 slots = max_len on full-attention layers and a ring of min(window, max_len) on sliding layers. Note
 that gemmax's ring keeps `window` slots (512 for Gemma 4 E2B) where transformers keeps window - 1
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.model.config import LayerSpec, ModelConfig
-from gemmax.model.forward import cache_slots
+from gemmax.model.config import ModelConfig
+from gemmax.model.kv_cache import cache_bytes, cache_slots, slot_bytes
 from gemmax.model.params import Params, abstract_params, count_bytes
 
 GiB = 1 << 30
@@ -49,28 +49,23 @@ MiB = 1 << 20
 # ------------------------------------------------------------------------------------- KV cache
 
 
-def kv_bytes_per_slot(spec: LayerSpec, dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of one cache slot of one layer: K and V [nkv, hd], plus float32 per-head scales for int8."""
-    scales = 4 if np.dtype(dtype) == np.int8 else 0
-    return 2 * spec.num_kv_heads * (spec.head_dim * np.dtype(dtype).itemsize + scales)
-
-
 def kv_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of `init_cache(config, batch, max_len, dtype)`: K and V of every KV-owning layer."""
-    per_row = sum(cache_slots(spec, max_len) * kv_bytes_per_slot(spec, dtype) for spec in config.layers if spec.owns_kv)
-    return batch * per_row
+    """Bytes of the cache the engine allocates (`init_cache(config, batch, max_len, dtype)`), from its
+    `jax.eval_shape` (`kv_cache.cache_bytes`): K and V of every KV-owning layer."""
+    return cache_bytes(config, max_len, batch, dtype)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
     """Marginal KV bytes of one more token of max_len once every sliding ring is full: full layers only."""
-    return sum(kv_bytes_per_slot(spec, dtype) for spec in config.layers if spec.owns_kv and not spec.sliding_window)
+    return sum(size for spec, size in zip(config.layers, slot_bytes(config, dtype), strict=True)
+               if spec.owns_kv and not spec.sliding_window)
 
 
 def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int | None = None) -> int:
     """KV bytes of the sliding rings (window slots each, fewer when max_len is shorter)."""
     return sum(
-        (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len)) * kv_bytes_per_slot(spec, dtype)
-        for spec in config.layers
+        (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len)) * size
+        for spec, size in zip(config.layers, slot_bytes(config, dtype), strict=True)
         if spec.owns_kv and spec.sliding_window
     )
 
@@ -119,33 +114,6 @@ def decode_workspace_bytes(config: ModelConfig, batch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------- the plan
-
-
-def load_config(model: str) -> ModelConfig:
-    """A model's config without its weights: a directory holding `config.json` (nothing else needed),
-    a `config.json` file, a `.gguf` file (metadata only) or a hub id (its cached `config.json`, or
-    just that file downloaded when online)."""
-    import json
-    from pathlib import Path
-
-    from gemmax.model.config import ConfigError
-    from gemmax.weights.checkpoint import HUB_ID, hub_fetch
-
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return ModelConfig.from_dir(path)
-    if path.is_file() and path.suffix == ".gguf":
-        from gemmax.weights.gguf import open_gguf
-
-        return open_gguf(path).config
-    if path.is_file():
-        return ModelConfig.from_hf_config(json.loads(path.read_text()))
-    if not HUB_ID.fullmatch(model):
-        raise ConfigError(f"model {model!r} is neither a local directory, a config.json, a .gguf nor a hub id")
-    from huggingface_hub import hf_hub_download
-
-    file = hub_fetch(model, lambda **kw: hf_hub_download(model, "config.json", **kw), "config.json of")
-    return ModelConfig.from_hf_config(json.loads(file.read_text()))
 
 
 class MemoryPlanError(RuntimeError):
@@ -332,9 +300,9 @@ def decode_traffic(
             else:
                 norms += size
     kv = 0
-    for spec in config.layers:
+    for spec, size in zip(config.layers, slot_bytes(config, kv_dtype), strict=True):  # sharing layers: the donor's
         visible = min(context, spec.sliding_window) if spec.sliding_window else context
-        kv += batch * visible * kv_bytes_per_slot(spec, kv_dtype)
+        kv += batch * visible * size
     return DecodeTraffic(matrices=matrices, lm_head=lm_head, gathered=gathered, norms=norms, kv=kv)
 
 

@@ -28,7 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmax.model.forward import Precision, cache_dtype
+from gemmax.model.forward import Precision
+from gemmax.model.kv_cache import KVCache
 
 log = logging.getLogger("gemmax")
 
@@ -86,12 +87,11 @@ class DevicePolicy:
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "pre_ampere": self.pre_ampere, "prefill_buckets": list(self.prefill_buckets)}
 
-    def observed(self, params: Any, kv_cache: Any = None) -> DevicePolicy:
+    def observed(self, params: Any, kv_cache: KVCache | None = None) -> DevicePolicy:
         """This policy with `weights` / `kv_cache` read from the arrays actually loaded (matrix leaves;
         several dtypes, e.g. after quantisation, are joined with '+')."""
         weights = _dtype_names(leaf for leaf in jax.tree.leaves(params) if len(leaf.shape) >= 2)
-        entries = [e for e in (kv_cache or ()) if isinstance(e, dict)]
-        kv = "+".join(sorted({jnp.dtype(cache_dtype(e)).name for e in entries}))  # a bf16 cache is stored as bits
+        kv = "+".join(kv_cache.dtypes) if kv_cache is not None else ""  # a bf16 cache is stored as bits
         return dataclasses.replace(self, weights=weights or self.weights, kv_cache=kv or self.kv_cache)
 
 

@@ -3,15 +3,9 @@
 One entry point, `forward`, serves both prefill and decode: it appends `T` new tokens per row to a
 KV cache that already holds `start[b]` tokens of row b, attending over (cache ∪ new tokens).
 
-KV cache layout (one entry per layer; `None` for KV-sharing "reuse" layers, which read their donor):
-    {"k": [B, S, nkv, hd], "v": [B, S, nkv, hd]}
-with S = `max_len` for full-attention layers and a ring of S = min(window, max_len) slots for sliding
-layers. The slot of absolute position p is `p` (full) or `p % S` (ring), so a slot's content is a
-function of real positions only. Padding tokens (t >= num_new[b]) are never written (their scatter
-index is out of range and dropped), and in a ring only the last S real positions of a chunk are
-written, so no two writes race for one slot. Attention masks are computed from absolute positions
-(key position <= query position, and > query position - window on sliding layers), never from slot
-order. All shapes are static under `jit`; `config`, `precision` and `logits` are static arguments.
+The KV cache (`gemmax.model.kv_cache`) holds absolute real positions only; attention masks are
+computed from absolute positions (key position <= query position, and > query position - window on
+sliding layers), never from slot order. All shapes are static under `jit`; `config`, `precision` and `logits` are static arguments.
 """
 
 from __future__ import annotations
@@ -23,13 +17,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from gemmax.model.config import LayerSpec, ModelConfig
+from gemmax.model.kv_cache import KVCache, LayerCache, slot_positions
 from gemmax.model.linear import linear, lookup
 from gemmax.model.params import Params
 
-KVCache = tuple[dict[str, jax.Array] | None, ...]
 _MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free
 
 
@@ -80,72 +73,6 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    """Zeroed cache for `batch` rows of up to `max_len` positions.
-
-    Entry per layer that owns KV: "k", "v" [B, S, nkv, hd]. An int8 cache adds per-position scales.
-    A 16-bit float cache (bf16, f16) stores the values' bits as uint16, with a zero-size "dtype" tag
-    [B, 0] of the float dtype: XLA:CPU widens every update of a bf16 array (scatter, dynamic update
-    slice) to float32, converting the whole cache there and back on each step (60 ms of a 187 ms
-    batch-8 step of the E2B-shaped model in a 4,224-slot cache); integer updates run in place, and
-    reading reinterprets the bits inside the attention's own fusion."""
-    entries = []
-    dtype = jnp.dtype(dtype)
-    for spec in config.layers:
-        if not spec.owns_kv:
-            entries.append(None)
-            continue
-        shape = (batch, cache_slots(spec, max_len), spec.num_kv_heads, spec.head_dim)
-        if _stored_as_bits(dtype):
-            entry = {"k": jnp.zeros(shape, jnp.uint16), "v": jnp.zeros(shape, jnp.uint16),
-                     "dtype": jnp.zeros((batch, 0), dtype)}
-        else:
-            entry = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-        if dtype == jnp.int8:  # per-position, per-head scales [B, S, nkv]
-            entry |= {"k_scale": jnp.zeros(shape[:3], jnp.float32), "v_scale": jnp.zeros(shape[:3], jnp.float32)}
-        entries.append(entry)
-    return tuple(entries)
-
-
-def _quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per vector of the last dim: x [..., d] -> (q int8 [..., d], scale f32 [...])."""
-    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / 127.0
-    q = jnp.round(x.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)[..., None])
-    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
-
-
-def _stored_as_bits(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
-def cache_dtype(entry: dict[str, jax.Array]) -> Any:
-    """The dtype a cache entry holds its values in (bf16 for a bf16 cache stored as bits)."""
-    return entry["dtype"].dtype if "dtype" in entry else entry["k"].dtype
-
-
-def _read_cache(entry: dict[str, jax.Array], name: str, dtype: Any) -> jax.Array:
-    """Cached K or V [B, S, nkv, hd] in the activation dtype (dequantised for an int8 cache)."""
-    values = entry[name]
-    if f"{name}_scale" in entry:
-        return (values.astype(jnp.float32) * entry[f"{name}_scale"][..., None]).astype(dtype)
-    if "dtype" in entry:
-        values = lax.bitcast_convert_type(values, entry["dtype"].dtype)
-    return values.astype(dtype)
-
-
-def cache_slots(spec: LayerSpec, max_len: int) -> int:
-    return min(spec.sliding_window, max_len) if spec.sliding_window else max_len
-
-
-def _cached_key_positions(start: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
-    """Absolute position held by each cache slot ([B, S]) and whether it holds one, for rows that
-    have `start[b]` tokens cached. Slot s holds the latest position p < start with p % S == s."""
-    s = jnp.arange(slots)[None, :]
-    last = start[:, None] - 1
-    pos = s + slots * jnp.floor_divide(last - s, slots)
-    return pos, s <= last
-
-
 def _visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, window: int | None) -> jax.Array:
     """[B, Tq, Tk] mask: causal by absolute position, inside the window on sliding layers."""
     q, k = q_pos[:, :, None], k_pos[:, None, :]
@@ -181,46 +108,13 @@ class _Batch:
     kv_len: int | None = None  # static: attention reads only cache slots [0, kv_len) where kv_len < slots
 
 
-def _visible_slots(entry: dict[str, jax.Array], kv_len: int | None) -> dict[str, jax.Array]:
-    """The entry's first kv_len slots when kv_len is below its slot count. Every position the cache
-    holds is < kv_len, so later slots hold nothing yet; on a sliding ring with kv_len <= its slots no
-    position has wrapped round, and slot = position there too."""
-    if kv_len is None or kv_len >= entry["k"].shape[1]:
-        return entry
-    return {name: value[:, :kv_len] for name, value in entry.items()}
-
-
-def _write_cache(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, batch: _Batch, spec: LayerSpec):
-    """Scatter the new K/V [B, T, nkv, hd] into their slots; padding and overwritten ring positions drop."""
-    slots = entry["k"].shape[1]
-    last_real = batch.start + jnp.sum(batch.new_valid, axis=1) - 1  # [B]
-    keep = batch.new_valid
-    if spec.sliding_window:
-        keep &= batch.new_pos > (last_real[:, None] - slots)  # only the last S real positions of a chunk
-        slot = batch.new_pos % slots
-    else:
-        slot = batch.new_pos
-    slot = jnp.where(keep, slot, slots)  # out of range -> dropped
-    rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slot.shape)
-    new = {"k": k, "v": v}
-    if "k_scale" in entry:
-        for name in ("k", "v"):
-            new[name], new[f"{name}_scale"] = _quantize_int8(new[name])
-    elif "dtype" in entry:  # stored as bits (init_cache)
-        new = {name: lax.bitcast_convert_type(value.astype(entry["dtype"].dtype), jnp.uint16)
-               for name, value in new.items()}
-    updated = {name: entry[name].at[rows, slot].set(value.astype(entry[name].dtype), mode="drop")
-               for name, value in new.items()}
-    return entry | updated
-
-
 def _attention(
     layer: dict[str, Any],
     x: jax.Array,
     spec: LayerSpec,
     config: ModelConfig,
     batch: _Batch,
-    cache_entry: dict[str, jax.Array] | None,
+    cache_entry: LayerCache | None,
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array, jax.Array]],
     layer_index: int,
 ):
@@ -243,19 +137,18 @@ def _attention(
             # old cache while updating it in place makes XLA keep a copy of the whole cache (two
             # copies per array per step on CPU). On a sliding ring the write overwrites position
             # p - window, which query p no longer sees.
-            new_entry = _write_cache(cache_entry, k, v, batch, spec)
-            visible = _visible_slots(new_entry, batch.kv_len)
-            key_pos, key_valid = _cached_key_positions(batch.start + jnp.sum(batch.new_valid, axis=1),
-                                                       visible["k"].shape[1])
-            keys, values = _read_cache(visible, "k", k.dtype), _read_cache(visible, "v", v.dtype)
+            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
+            visible = new_entry.visible(batch.kv_len)
+            key_pos, key_valid = slot_positions(batch.start + jnp.sum(batch.new_valid, axis=1), visible.slots)
+            keys, values = visible.read("k", k.dtype), visible.read("v", v.dtype)
         else:  # a chunk can overwrite ring slots its own earlier queries still see: read, then write
-            visible = _visible_slots(cache_entry, batch.kv_len)
-            cached_pos, cached_valid = _cached_key_positions(batch.start, visible["k"].shape[1])
-            keys = jnp.concatenate([_read_cache(visible, "k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
-            values = jnp.concatenate([_read_cache(visible, "v", v.dtype), v], axis=1)
+            visible = cache_entry.visible(batch.kv_len)
+            cached_pos, cached_valid = slot_positions(batch.start, visible.slots)
+            keys = jnp.concatenate([visible.read("k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
+            values = jnp.concatenate([visible.read("v", v.dtype), v], axis=1)
             key_pos = jnp.concatenate([cached_pos, batch.new_pos], axis=1)
             key_valid = jnp.concatenate([cached_valid, batch.new_valid], axis=1)
-            new_entry = _write_cache(cache_entry, k, v, batch, spec)
+            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
         shared[layer_index] = (keys, values, key_pos, key_valid)
     else:
         keys, values, key_pos, key_valid = shared[spec.kv_donor]
@@ -348,7 +241,7 @@ def forward(
     last = jnp.maximum(num_new - 1, 0)[:, None]  # [B, 1] index of each row's last real token
 
     shared: dict[int, Any] = {}
-    new_cache = list(cache)
+    new_cache = list(cache.layers)
     for i, spec in enumerate(config.layers):
         if logits == "last" and spec.kv_mode == "reuse" and batch.q_pos.shape[1] > 1:
             # Reuse layers write no cache and their outputs only feed the same position onward, so
@@ -364,15 +257,15 @@ def forward(
                 spec,
                 config,
                 batch,
-                cache[i],
+                cache.layers[i],
                 shared,
                 i,
             )
     if logits == "last":
         if h.shape[1] > 1:
             h = jnp.take_along_axis(h, last[:, :, None], axis=1)
-        return lm_head(params, h[:, 0], config), tuple(new_cache)
-    return lm_head(params, h, config), tuple(new_cache)
+        return lm_head(params, h[:, 0], config), KVCache(tuple(new_cache))
+    return lm_head(params, h, config), KVCache(tuple(new_cache))
 
 
 # The jitted forward for callers that do not wrap it in a larger jitted function.

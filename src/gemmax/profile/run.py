@@ -27,7 +27,8 @@ from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.sampling import SamplingState
 from gemmax.model.config import ModelConfig
-from gemmax.model.forward import Precision, init_cache
+from gemmax.model.forward import Precision
+from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
@@ -66,12 +67,12 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
             raise ValueError("--random-weights needs --model (a directory, config.json, .gguf or hub id)")
         from gemmax.engine.fastpath import prepare_params
         from gemmax.engine.loading import resolve_policy
-        from gemmax.engine.memory import load_config
         from gemmax.model.params import random_params
         from gemmax.quant.forms import QuantOptions, quantize_params
+        from gemmax.weights.load import open_source
 
         quant = (quant or QuantOptions()).for_source(False, dtype_given=True)  # random weights: nothing was quantised
-        config = load_config(model)
+        config = open_source(model, weights=False).config
         policy, plan = resolve_policy(dtype, quant, config)
         params = random_params(config, 0, policy.weight_dtype)
         if quant.changes_weights:

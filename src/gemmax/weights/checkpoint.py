@@ -1,4 +1,5 @@
-"""Checkpoint loading: HF safetensors directories (single or sharded), hub ids, and tensor dicts.
+"""The loaded checkpoint and the one map from HF tensor names to the params pytree, shared by every
+format (safetensors directories, GGUF files).
 
 Every tensor goes through one explicit map (HF name -> params path, from `params.param_specs`) that
 fails with a clear message on a missing, unexpected or mis-shaped tensor. Tensors are read one at a
@@ -10,14 +11,11 @@ weights. The loader counts the bytes it keeps (`Checkpoint.weight_bytes`), the f
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import Params, count_bytes, param_specs, tree_from_leaves
@@ -38,31 +36,8 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: ModelConfig
     params: Params
-    weight_bytes: int
-    source: str  # what was loaded (directory, file or hub id)
-    directory: Path | None  # where tokenizer / chat template files live, when there is one
-    tokenizer: Any = None  # a gemmax.weights.tokenizer.Tokenizer when the file carries one (GGUF)
-
-
-def read_tensors_safetensors(directory: Path) -> tuple[list[str], Callable[[str], np.ndarray]]:
-    """(names, read(name) -> numpy array) over `model.safetensors` or a sharded index."""
-    from safetensors import safe_open
-
-    index_file = directory / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-    elif (directory / "model.safetensors").is_file():
-        with safe_open(directory / "model.safetensors", framework="flax") as f:
-            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {directory}")
-
-    def read(name: str) -> np.ndarray:
-        # framework="flax" reads bf16 natively (numpy cannot); one tensor at a time.
-        with safe_open(directory / weight_map[name], framework="flax") as f:
-            return f.get_tensor(name)
-
-    return sorted(weight_map), read
+    weight_bytes: int  # bytes of the params kept (after any load-time quantisation)
+    source: Any  # the gemmax.weights.source.ModelSource it was loaded from
 
 
 def build_params(
@@ -127,54 +102,3 @@ def _text_prefix(names: list[str]) -> str:
 def _is_unused_shared_kv(short: str, reuse_layers: set[int]) -> bool:
     match = re.match(r"layers\.(\d+)\.(.+)$", short)
     return bool(match) and int(match.group(1)) in reuse_layers and match.group(2) in UNUSED_SHARED_KV
-
-
-# A Hugging Face hub id: owner/name.
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def hub_fetch(model: str, fetch: Callable[..., str], what: str) -> Path:
-    """Run a huggingface_hub fetch (`fetch(local_files_only=...)`) from the cache first, then online;
-    a CheckpointError that says so when neither has it."""
-    try:
-        return Path(fetch(local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(fetch(local_files_only=False))
-    except Exception as exc:  # offline, gated, missing
-        raise CheckpointError(
-            f"{what} {model!r} is not in the Hugging Face cache and could not be downloaded ({type(exc).__name__}: {exc})"
-        ) from exc
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; otherwise a hub id resolved through huggingface_hub's cache / download."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.suffix == ".gguf" or path.exists():
-        raise CheckpointError(f"{model} is not a checkpoint directory")
-    if not HUB_ID.fullmatch(str(model)):
-        raise CheckpointError(f"model {model!r} is neither a local directory nor a hub id (owner/name)")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-    return hub_fetch(str(model), lambda **kw: snapshot_download(str(model), allow_patterns=patterns, **kw), "model")
-
-
-def load_checkpoint(
-    model: str | Path,
-    weight_dtype: Any = jnp.bfloat16,
-    transform: Callable[[Any, Any], Any] | None = None,
-) -> Checkpoint:
-    """Load a local HF directory, a hub id, or a `.gguf` file into a params pytree."""
-    if str(model).endswith(".gguf"):
-        from gemmax.weights.gguf import load_gguf
-
-        return load_gguf(Path(model), weight_dtype=weight_dtype, transform=transform)
-    directory = resolve_model_dir(model)
-    config = ModelConfig.from_dir(directory)
-    names, read = read_tensors_safetensors(directory)
-    params, kept = build_params(config, names, read, weight_dtype, transform)
-    return Checkpoint(config=config, params=params, weight_bytes=kept, source=str(model), directory=directory)

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) -> a `Checkpoint`, through the same one name map as safetensors.
+"""GGUF files (llama.cpp's format) -> a `ModelSource` whose tensors go through the same one name map
+as safetensors (`checkpoint.build_params`).
 
 A GGUF carries the config as metadata, the tokenizer as metadata, and the tensors under llama.cpp's
 names (`blk.N.attn_q.weight`), possibly quantised (Q4_K, Q5_0, Q6_K, Q8_0 ...). Loading it is three
@@ -29,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFReader
 
 from gemmax.model.config import FULL, SLIDING, ModelConfig
 from gemmax.model.params import param_specs
-from gemmax.weights.checkpoint import Checkpoint, CheckpointError, build_params
+from gemmax.weights.checkpoint import CheckpointError
+from gemmax.weights.source import ModelSource
 from gemmax.weights.tokenizer import Tokenizer
 
 ARCHITECTURES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
@@ -129,8 +132,6 @@ class _Metadata:
 
 def open_gguf(path: Path) -> GGUFContents:
     """Read a GGUF's metadata and tensor index (memory-mapped; no tensor data is read yet)."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"no such GGUF file: {path}")
@@ -185,15 +186,13 @@ def stores_quantized(reader) -> bool:
     return any(len(t.shape) == 2 and t.tensor_type not in (T.F32, T.F16, T.BF16) for t in reader.tensors)
 
 
-def load_gguf(path: Path, weight_dtype: Any = None, transform: Callable[[Any, Any], Any] | None = None) -> Checkpoint:
-    """Load a Gemma 3 / Gemma 4 GGUF: config and tokenizer from its metadata, weights dequantised."""
-    import jax.numpy as jnp
-
-    contents = open_gguf(Path(path))
-    params, kept = build_params(contents.config, contents.names, contents.read,
-                                jnp.bfloat16 if weight_dtype is None else weight_dtype, transform)
-    return Checkpoint(config=contents.config, params=params, weight_bytes=kept, source=str(path), directory=None,
-                      tokenizer=contents.tokenizer)
+def gguf_source(name: str, path: Path) -> ModelSource:
+    """A ModelSource over a GGUF file: opened once here (config, tokenizer, tensor index); its tensors
+    are dequantised as the loader reads them."""
+    contents = open_gguf(path)
+    return ModelSource(name=name, kind="gguf", path=Path(path), config=contents.config,
+                       stored_quantized=contents.quantized, tensors=lambda: (contents.names, contents.read),
+                       tokenizer=contents.tokenizer)
 
 
 # ------------------------------------------------------------------------------------------ names
