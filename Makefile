@@ -22,6 +22,7 @@ serve: install
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 test: install-test lint
 	$(BIN)/python -m pytest -q

@@ -55,8 +55,9 @@ def gemmax_step_runner(loaded, batch: int, context: int):
     import jax
     import jax.numpy as jnp
 
-    from gemmax.engine.engine import decode_step, kv_buckets
     from gemmax.engine.sampling import SamplingState
+    from gemmax.engine.shapes import kv_buckets
+    from gemmax.engine.steps import decode_step
     from gemmax.model.kv_cache import init_cache
 
     config, precision = loaded.checkpoint.config, loaded.policy.precision()

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemmax.engine.engine import decode_step
 from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
 from gemmax.engine.sampling import SamplingState
+from gemmax.engine.steps import decode_step
 from gemmax.model.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache

@@ -15,9 +15,10 @@ import pytest
 
 from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
-from gemmax.engine.engine import BatchEngine, plan_chunks
+from gemmax.engine.engine import BatchEngine
 from gemmax.engine.generate import generate
 from gemmax.engine.loading import load_model
+from gemmax.engine.shapes import plan_chunks
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +273,7 @@ def test_shutdown_ends_every_queued_and_running_request(hf_checkpoints):
 
 
 def test_kv_buckets_cover_max_model_len():
-    from gemmax.engine.engine import kv_buckets
+    from gemmax.engine.shapes import kv_buckets
 
     assert kv_buckets(96) == (96,)
     assert kv_buckets(2048) == (256, 1024, 2048)
@@ -304,8 +305,8 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
     of the unbounded step."""
     import jax
 
-    from gemmax.engine.engine import decode_rows
     from gemmax.engine.sampling import SamplingState
+    from gemmax.engine.steps import decode_rows
     from gemmax.model.kv_cache import init_cache
 
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()

@@ -198,8 +198,8 @@ def test_batched_decode_reads_no_weight_copies(six_layers):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
     """The program the serving engine really runs (sampling included) reads every matrix fast."""
-    from gemmax.engine.engine import decode_step
     from gemmax.engine.sampling import SamplingState
+    from gemmax.engine.steps import decode_step
 
     config, _, params = six_layers
     precision = CPU.precision()
@@ -216,8 +216,8 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
 
 def test_engine_small_group_decode_gets_the_fast_path(six_layers):
     """decode_rows (one active request among 8 slots) gathers its rows and still reads every matrix fast."""
-    from gemmax.engine.engine import decode_rows
     from gemmax.engine.sampling import SamplingState
+    from gemmax.engine.steps import decode_rows
 
     config, _, params = six_layers
     precision = CPU.precision()

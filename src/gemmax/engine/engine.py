@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -49,130 +48,14 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
-from gemmax.engine.sampling import SamplingState, row_values, sample, set_row
+from gemmax.engine.sampling import SamplingState, row_values
+from gemmax.engine.shapes import kv_buckets, plan_chunks, prefill_buckets, prefill_shapes
+from gemmax.engine.steps import decode_rows, decode_step, prefill_step, set_sampling_row
 from gemmax.model.config import ModelConfig
-from gemmax.model.forward import Precision, forward
+from gemmax.model.forward import Precision
 from gemmax.model.kv_cache import init_cache
 
 log = logging.getLogger("gemmax.engine")
-
-def prefill_buckets(max_model_len: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The declared prefill lengths that fit max_model_len (at least one)."""
-    fitting = tuple(b for b in sorted(buckets) if b <= max_model_len)
-    return fitting or (max_model_len,)
-
-
-def plan_chunks(prompt_len: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
-    """[(real tokens, bucket)] covering the prompt: full chunks of the largest bucket while more than
-    it remains, then the cheapest cover of the rest (`_tail_plans`)."""
-    largest = buckets[-1]
-    full = max(0, -(-prompt_len // largest) - 1)
-    return [(largest, largest)] * full + list(_tail_plans(buckets)[prompt_len - full * largest])
-
-
-@functools.lru_cache(maxsize=8)
-def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """plans[r] for r = 0 .. the largest bucket: the chunks covering r tokens that cost the fewest bucket
-    tokens plus, per chunk, the smallest bucket's worth (a chunk's fixed cost: one pass over the
-    weights); ties go to fewer chunks. Full chunks come first, the partial one last. With buckets
-    (32, 128, 512, 2048) a 521-token prompt prefills as 512 + 32 (9 real) instead of one 2048."""
-    overhead = buckets[0]
-    best: list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]] = [((0, 0), ())]
-    for r in range(1, buckets[-1] + 1):
-        fits = next(b for b in buckets if b >= r)
-        options = [((overhead + fits, 1), ((r, fits),))]
-        for b in reversed(buckets):  # on a tie, the larger full chunk first
-            if b < r:
-                (tokens, count), rest = best[r - b]
-                options.append(((tokens + overhead + b, count + 1), ((b, b), *rest)))
-        best.append(min(options, key=lambda option: option[0]))
-    return tuple(chunks for _, chunks in best)
-
-
-def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> dict[tuple[int, int], int]:
-    """{(bucket, KV-length bound): a chunk start that needs it} over every prompt shorter than
-    max_model_len, as `plan_chunks` splits it; `kv_bound(start)` is the bound a chunk at `start` reads."""
-    largest = buckets[-1]
-    tails = {(start, bucket) for plan in _tail_plans(buckets)  # (chunk start, bucket) within a tail
-             for start, (_, bucket) in zip(itertools.accumulate([real for real, _ in plan], initial=0), plan,
-                                           strict=False)}
-    shapes: dict[tuple[int, int], int] = {}
-    for base in range(0, max_model_len - 1, largest):  # full chunks of the largest bucket before a tail
-        for start, bucket in sorted(tails):
-            if base + start < max_model_len - 1:
-                shapes.setdefault((bucket, kv_bound(base + start)), base + start)
-    return shapes
-
-
-def _rows(tree, slot, size=1):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, size, axis=0), tree)
-
-
-def _put_rows(tree, rows, slot):
-    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, rows)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config, precision,
-                 kv_len=None):
-    """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
-    no extra shape) sample the row's first token from its last real position; earlier chunks leave
-    the row's sampling state (step counter, penalty counts) untouched."""
-    row_cache = cache.rows(slot)
-    logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
-                                precision=precision, kv_len=kv_len)
-    ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(state, slot), want_logprobs[None], last_chunk[None])
-    return cache.put_rows(row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
-
-
-def kv_buckets(max_model_len: int) -> tuple[int, ...]:
-    """Static bounds on the cache slots a decode step reads: 256, 1024, 4096 ... (x4),
-    capped by and ending at max_model_len. Attention then costs what the context uses."""
-    buckets, size = [], 256
-    while size < max_model_len:
-        buckets.append(size)
-        size *= 4
-    return (*buckets, max_model_len)
-
-
-def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len):
-    """One decode step for rows [B] of the given state. Rows with remaining == 0 are idle: they write
-    nothing and keep their token, position and sampling state."""
-    active = remaining > 0
-    logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
-                            config=config, precision=precision, kv_len=kv_len)
-    ids, lp, top_ids, top_lp, state = sample(logits, state, want_logprobs, active)
-    ids = jnp.where(active, ids, tokens)
-    step = active.astype(jnp.int32)
-    return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision, kv_len=None):
-    """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position."""
-    return _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def decode_rows(params, cache, state, tokens, positions, remaining, want_logprobs, rows, *, config, precision,
-                kv_len=None):
-    """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
-    are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
-    on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
-    Outputs are per row of `rows`.
-
-    Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
-    cost ~20% of a step of the built-in model."""
-    sub_cache, sub_state, ids, pos, rem, out = _decode(
-        params, cache.gather(rows, kv_len), jax.tree.map(lambda a: a[rows], state),
-        tokens[rows], positions[rows], remaining[rows], want_logprobs[rows], config, precision, kv_len)
-    cache = cache.scatter(rows, sub_cache, kv_len)
-    state = jax.tree.map(lambda a, sub: a.at[rows].set(sub), state, sub_state)
-    return (cache, state, tokens.at[rows].set(ids), positions.at[rows].set(pos), remaining.at[rows].set(rem), out)
-
-
-_set_row = jax.jit(set_row, donate_argnums=0)  # one request's sampling settings into its slot
-
 
 @dataclasses.dataclass
 class _Slot:
@@ -500,7 +383,7 @@ class BatchEngine:
         slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
                      budget=min(request.max_tokens, self.max_model_len - len(prompt)),
                      submitted=submitted, admitted=admitted)
-        self.state = _set_row(self.state, jnp.int32(slot_index), row_values(request.sampling, prompt, self.config.vocab_size))
+        self.state = set_sampling_row(self.state, jnp.int32(slot_index), row_values(request.sampling, prompt, self.config.vocab_size))
         want = request.logprobs is not None
         start = 0
         chunks = plan_chunks(len(prompt), self.buckets)

@@ -37,10 +37,12 @@ class SamplingState:
 
     @classmethod
     def empty(cls, batch: int, vocab: int) -> SamplingState:
+        """Every row greedy, without penalties, nothing counted."""
         f = lambda v: jnp.full((batch,), v, jnp.float32)  # noqa: E731
-        return cls(f(0.0), jnp.zeros(batch, jnp.int32), f(1.0), f(0.0), f(0.0), f(0.0), f(1.0),
-                   jnp.zeros((batch, 2), jnp.uint32), jnp.zeros(batch, jnp.int32),
-                   jnp.zeros((batch, vocab), jnp.int32), jnp.zeros((batch, vocab), jnp.bool_))
+        return cls(temperature=f(0.0), top_k=jnp.zeros(batch, jnp.int32), top_p=f(1.0), min_p=f(0.0),
+                   presence=f(0.0), frequency=f(0.0), repetition=f(1.0), key=jnp.zeros((batch, 2), jnp.uint32),
+                   step=jnp.zeros(batch, jnp.int32), output_counts=jnp.zeros((batch, vocab), jnp.int32),
+                   prompt_mask=jnp.zeros((batch, vocab), jnp.bool_))
 
 
 def row_values(params: SamplingParams, prompt_ids, vocab: int) -> dict[str, np.ndarray]:

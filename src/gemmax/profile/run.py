@@ -22,10 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemmax.engine.engine import decode_step
 from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.sampling import SamplingState
+from gemmax.engine.steps import decode_step
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
 from gemmax.model.kv_cache import init_cache

@@ -1,0 +1,66 @@
+"""Shape planning, pure functions of the deployment's sizes: the prefill buckets, how a prompt is
+split into chunks of them, the KV-length buckets, and the set of (bucket, KV bound) prefill shapes
+a warm-up must compile. Nothing here touches a device."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+
+def prefill_buckets(max_model_len: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The declared prefill lengths that fit max_model_len (at least one)."""
+    fitting = tuple(b for b in sorted(buckets) if b <= max_model_len)
+    return fitting or (max_model_len,)
+
+
+def plan_chunks(prompt_len: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(real tokens, bucket)] covering the prompt: full chunks of the largest bucket while more than
+    it remains, then the cheapest cover of the rest (`_tail_plans`)."""
+    largest = buckets[-1]
+    full = max(0, -(-prompt_len // largest) - 1)
+    return [(largest, largest)] * full + list(_tail_plans(buckets)[prompt_len - full * largest])
+
+
+@functools.lru_cache(maxsize=8)
+def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """plans[r] for r = 0 .. the largest bucket: the chunks covering r tokens that cost the fewest bucket
+    tokens plus, per chunk, the smallest bucket's worth (a chunk's fixed cost: one pass over the
+    weights); ties go to fewer chunks. Full chunks come first, the partial one last. With buckets
+    (32, 128, 512, 2048) a 521-token prompt prefills as 512 + 32 (9 real) instead of one 2048."""
+    overhead = buckets[0]
+    best: list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]] = [((0, 0), ())]
+    for r in range(1, buckets[-1] + 1):
+        fits = next(b for b in buckets if b >= r)
+        options = [((overhead + fits, 1), ((r, fits),))]
+        for b in reversed(buckets):  # on a tie, the larger full chunk first
+            if b < r:
+                (tokens, count), rest = best[r - b]
+                options.append(((tokens + overhead + b, count + 1), ((b, b), *rest)))
+        best.append(min(options, key=lambda option: option[0]))
+    return tuple(chunks for _, chunks in best)
+
+
+def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> dict[tuple[int, int], int]:
+    """{(bucket, KV-length bound): a chunk start that needs it} over every prompt shorter than
+    max_model_len, as `plan_chunks` splits it; `kv_bound(start)` is the bound a chunk at `start` reads."""
+    largest = buckets[-1]
+    tails = {(start, bucket) for plan in _tail_plans(buckets)  # (chunk start, bucket) within a tail
+             for start, (_, bucket) in zip(itertools.accumulate([real for real, _ in plan], initial=0), plan,
+                                           strict=False)}
+    shapes: dict[tuple[int, int], int] = {}
+    for base in range(0, max_model_len - 1, largest):  # full chunks of the largest bucket before a tail
+        for start, bucket in sorted(tails):
+            if base + start < max_model_len - 1:
+                shapes.setdefault((bucket, kv_bound(base + start)), base + start)
+    return shapes
+
+
+def kv_buckets(max_model_len: int) -> tuple[int, ...]:
+    """Static bounds on the cache slots a decode step reads: 256, 1024, 4096 ... (x4),
+    capped by and ending at max_model_len. Attention then costs what the context uses."""
+    buckets, size = [], 256
+    while size < max_model_len:
+        buckets.append(size)
+        size *= 4
+    return (*buckets, max_model_len)
