@@ -221,7 +221,7 @@ def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
     """`--quant auto` (the CLI default): a GGUF whose matrices are stored at 8 bits (Q8_0) loads as int8
     layers and an int8 LM head; a float GGUF, an HF directory, or an explicit --dtype load unquantised."""
     from gemmax.engine.loading import load_model, quantized_source
-    from gemmax.quant.forms import Int8Weight, QuantOptions
+    from gemmax.quant import Int8Weight, QuantOptions
 
     directory, _ = hf_checkpoints["g3_small"]
     q8 = write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from gemmax import quant as Q
 from gemmax.cli import app
 from gemmax.engine.fastpath import COPY, GEMV, column_blocks, decode_weight_reads, split_columns
 from gemmax.engine.memory import weight_bytes
 from gemmax.model.config import E2B_TEXT_CONFIG, ModelConfig
 from gemmax.model.linear import linear, lookup
 from gemmax.model.params import param_specs
-from gemmax.quant import forms as Q
 from gemmax.quant.pallas_w4a16 import (
     SMEM_PER_BLOCK,
     TPU_SCOPED_VMEM,
@@ -104,7 +104,7 @@ def test_quantized_table_rows(bits):
     assert (np.abs(rows - want) <= (step / 2 if bits == 8 else step) + 1e-7).all()
     assert lookup(qt, ids, jnp.bfloat16).dtype == jnp.bfloat16
     if bits == 4:  # pairs layout: byte j = column 2j (low nibble) | column 2j+1 (high nibble)
-        q, _ = Q._grouped(table, bits=4, group=8)
+        q, _ = Q.grouped(table, bits=4, group=8)
         q = np.asarray(q).astype(np.uint8)
         np.testing.assert_array_equal(np.asarray(qt.q), (q[:, 0::2] & 15) | (q[:, 1::2] << 4))
 

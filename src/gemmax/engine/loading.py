@@ -12,8 +12,8 @@ from gemmax.engine.memory import load_config
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
-from gemmax.quant.forms import QuantOptions
-from gemmax.quant.forms import resolve as resolve_quant
+from gemmax.quant.options import QuantOptions
+from gemmax.quant.plan import resolve as resolve_quant
 from gemmax.weights.checkpoint import Checkpoint, load_checkpoint
 from gemmax.weights.tokenizer import Tokenizer, load_tokenizer
 
@@ -63,7 +63,7 @@ def quant_for(model: str, dtype: str | None, quant: QuantOptions) -> QuantOption
 
 def load_model(model: str | None, dtype: str | None = None, quant: QuantOptions | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, or None for the built-in default.
-    `quant`: load-time quantisation (gemmax.quant.forms): tensors are quantised one at a time as they load,
+    `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at a time as they load,
     and the W4A16 Pallas tiles are checked against the device before any weight is read; quant="auto"
     is resolved here from the checkpoint (`QuantOptions.for_source`)."""
     quant = quant or QuantOptions()
