@@ -10,12 +10,12 @@
   decode path (so the KV cache is read at every step).
 - `forms`: each spelling of x @ W.T for int8 / int4 weights on E2B's gate and down shapes at 1 and
   8 rows (gemmax's CPU forms, dequantise-in-register row reductions, dequantise-then-dot, bf16), in
-  Gparam/s: the measurement behind gemmax.quant.forms's choice of form on CPU.
+  Gparam/s: the measurement behind gemmax.quant's choice of form on CPU (gemmax.quant.cpu).
 - the weight bytes of the full E2B config per option, from shapes (`jax.eval_shape`).
 
 Quality metrics, per position: logits centred (softmax ignores offsets); relative error =
 ||Δ|| / ||reference|| over all positions; agreement = share of positions whose top-1 token equals the
-unquantised model's. The options are quantised with the loader's own functions (gemmax.quant.forms).
+unquantised model's. The options are quantised with the loader's own functions (gemmax.quant).
 
     python benchmarks/quant.py                                # forms, both models, all options
     python benchmarks/quant.py --models builtin --options none,int8,ple4+int8_lm_head
@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemmax import quant as Q
 from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
 from gemmax.engine.sampling import SamplingState
@@ -44,7 +45,6 @@ from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache
 from gemmax.model.linear import GEMV_MAX_IN, linear
 from gemmax.model.params import count_bytes, random_params
-from gemmax.quant import forms as Q
 
 OPTIONS = {
     "none": Q.QuantOptions(),

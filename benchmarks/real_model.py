@@ -82,7 +82,7 @@ def run_gemmax(prompts: list[str], max_tokens: int, dtype: str, quant: str) -> R
     from gemmax.engine.api import GenerationRequest
     from gemmax.engine.engine import BatchEngine
     from gemmax.engine.loading import load_model
-    from gemmax.quant.forms import QuantOptions
+    from gemmax.quant import QuantOptions
 
     start = time.perf_counter()
     loaded = load_model(None, dtype, QuantOptions(quant=quant))  # quant="auto" resolved as the CLI does

@@ -223,7 +223,7 @@ def test_quant_auto_keeps_a_quantised_gguf_in_int8(hf_checkpoints, tmp_path):
     """`--quant auto` (the CLI default): a GGUF whose matrices are stored at 8 bits (Q8_0) loads as int8
     layers and an int8 LM head; a float GGUF, an HF directory, or an explicit --dtype load unquantised."""
     from gemmax.engine.loading import load_model
-    from gemmax.quant.forms import Int8Weight, QuantOptions
+    from gemmax.quant import Int8Weight, QuantOptions
 
     directory, _ = hf_checkpoints["g3_small"]
     q8 = write_gguf(directory, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
@@ -248,7 +248,7 @@ def test_a_gguf_model_is_opened_once_and_its_config_parsed_once_from_serve_start
     import gemmax.weights.gguf as gguf_module
     from gemmax.engine.loading import start_engine
     from gemmax.model.config import ModelConfig
-    from gemmax.quant.forms import QuantOptions
+    from gemmax.quant import QuantOptions
 
     path = write_gguf(hf_checkpoints["g3_small"][0], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     opened, parsed = [], []

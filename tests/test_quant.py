@@ -5,7 +5,10 @@ Model-level quality against the unquantised model lives in test_quant_model.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +16,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from gemmax import quant as Q
 from gemmax.cli import app
 from gemmax.engine.fastpath import COPY, GEMV, column_blocks, decode_weight_reads, split_columns
 from gemmax.engine.memory import weight_bytes
 from gemmax.model.config import E2B_TEXT_CONFIG, ModelConfig
 from gemmax.model.linear import linear, lookup
 from gemmax.model.params import param_specs
-from gemmax.quant import forms as Q
+from gemmax.model.stored import StoredWeight, static
 from gemmax.quant.pallas_w4a16 import (
     SMEM_PER_BLOCK,
     TPU_SCOPED_VMEM,
@@ -104,7 +108,7 @@ def test_quantized_table_rows(bits):
     assert (np.abs(rows - want) <= (step / 2 if bits == 8 else step) + 1e-7).all()
     assert lookup(qt, ids, jnp.bfloat16).dtype == jnp.bfloat16
     if bits == 4:  # pairs layout: byte j = column 2j (low nibble) | column 2j+1 (high nibble)
-        q, _ = Q._grouped(table, bits=4, group=8)
+        q, _ = Q.grouped(table, bits=4, group=8)
         q = np.asarray(q).astype(np.uint8)
         np.testing.assert_array_equal(np.asarray(qt.q), (q[:, 0::2] & 15) | (q[:, 1::2] << 4))
 
@@ -133,6 +137,49 @@ def test_column_blocks_of_int4_must_follow_its_packing():
     q4 = Q.quantize_int4(_weight(8, 5000))
     with pytest.raises(ValueError, match="packing chunks"):
         q4[:, 0:1000]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _HalfWeight(StoredWeight):
+    """A form written only for the test below: W stored as float16 with one float32 scale."""
+
+    w: jax.Array  # float16 [out, in]
+    s: jax.Array  # float32 []
+    compute_dtype: str = static("float32")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    def __getitem__(self, index) -> _HalfWeight:
+        return dataclasses.replace(self, w=self.w[index])
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.w.astype(jnp.float32) * self.s).astype(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_new_stored_form_needs_only_the_protocol(rows):
+    """A form that implements StoredWeight's few abstract methods is multiplied (whole or as column
+    blocks), gathered and counted by the model's own `linear` / `lookup`, with no branch for it anywhere."""
+    w = _weight(40, 4200, seed=8)
+    form = _HalfWeight(w.astype(jnp.float16) / 2, jnp.asarray(2.0))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((rows, 4200), dtype=np.float32))
+    want = np.asarray(x) @ np.asarray(form.dequantize()).T
+    blocks = split_columns(form, column_blocks(4200))
+    assert len(blocks) == 2 and all(isinstance(b, _HalfWeight) for b in blocks)
+    for stored in (form, blocks):
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, stored)), want, rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray([[3, 0], [39, 3]])
+    np.testing.assert_array_equal(np.asarray(lookup(form, ids, jnp.float32)), np.asarray(form.dequantize())[np.asarray(ids)])
+    assert form.nbytes == 40 * 4200 * 2 + 4 and Q.is_quantized(blocks)
+
+
+def test_the_model_layer_imports_no_quantisation():
+    """model < quant: `linear` reads every stored form through the protocol, never a concrete one."""
+    code = "import sys, gemmax.model.forward, gemmax.model.linear; print(any(m.startswith('gemmax.quant') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

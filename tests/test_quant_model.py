@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from gemmax import quant as Q
 from gemmax.cli import app
 from gemmax.engine.api import GenerationRequest, SamplingParams
 from gemmax.engine.engine import BatchEngine
@@ -43,7 +44,6 @@ from gemmax.engine.loading import load_model
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import count_bytes, param_specs, tree_from_leaves
-from gemmax.quant import forms as Q
 
 TOKENS, ROWS = 25, 3  # 24 teacher-forced decode steps on 3 rows
 _forward = jax.jit(forward, static_argnames=("config", "precision", "logits"))

@@ -49,8 +49,7 @@ def with_quant_options(command):
 
     @functools.wraps(command)
     def wrapper(**kwargs):
-        from gemmax.quant.forms import QuantError, QuantOptions
-        from gemmax.quant.pallas_w4a16 import W4Tiles
+        from gemmax.quant.options import QuantError, QuantOptions, W4Tiles
 
         values = {name: kwargs.pop(name) for name in _QUANT_OPTIONS}
         try:
@@ -151,7 +150,7 @@ def fit(
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
     from gemmax.engine.loading import quant_for
-    from gemmax.quant.forms import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
+    from gemmax.quant.plan import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
     from gemmax.weights.load import open_source
 
     source = open_source(model, weights=False)

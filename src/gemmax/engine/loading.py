@@ -12,8 +12,8 @@ from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
-from gemmax.quant.forms import QuantOptions
-from gemmax.quant.forms import resolve as resolve_quant
+from gemmax.quant.options import QuantOptions
+from gemmax.quant.plan import resolve as resolve_quant
 from gemmax.weights.checkpoint import Checkpoint
 from gemmax.weights.load import load_checkpoint, open_source
 from gemmax.weights.source import ModelSource

@@ -28,8 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gemmax.engine.fastpath import GEMV, decode_weight_reads
 from gemmax.model.forward import Precision
 from gemmax.model.kv_cache import KVCache
+from gemmax.model.linear import linear
 
 log = logging.getLogger("gemmax")
 
@@ -132,10 +134,7 @@ def _device_facts() -> tuple[str, str, str | None, int | None]:
 @functools.cache
 def cpu_gemv_fuses(weight_dtype: str = "bfloat16") -> bool:
     """Whether this XLA:CPU compiles `linear` at one row into the fused matrix-vector dot that streams
-    `weight_dtype` weights directly (checked on the compiled HLO of a small probe, ~0.1 s)."""
-    from gemmax.engine.fastpath import GEMV, decode_weight_reads
-    from gemmax.model.linear import linear
-
+    `weight_dtype` weights directly (the fast-path audit run on the compiled HLO of a small probe, ~0.1 s)."""
     w = jax.ShapeDtypeStruct((512, 384), DTYPES[weight_dtype])
     x = jax.ShapeDtypeStruct((1, 1, 384), jnp.float32)
     text = jax.jit(linear).lower(x, w).compile().as_text()

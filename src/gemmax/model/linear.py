@@ -9,7 +9,8 @@ Stored forms of a weight W [out, in]:
 - an array [out, in];
 - a tuple of column blocks ([out, k_0], [out, k_1], ...) with sum(k_i) = in: the CPU fast path
   for in > `GEMV_MAX_IN`;
-- a quantised form (int8, int4, 8/4-bit table; or column blocks of one), multiplied by gemmax.quant.
+- a `StoredWeight` (gemmax.model.stored: the quantised forms of gemmax.quant; or column blocks of
+  one): multiplied and gathered through its protocol, so this module knows no concrete form.
 
 Two spellings, chosen from the static number of rows of x:
 - one row (decode at batch 1): `x[1, in].astype(W.dtype).astype(x.dtype) @ W.T` (bf16-rounded
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gemmax.quant import forms as quant
+from gemmax.model.stored import StoredWeight
 
 # Largest `in` whose float32 vector (in * 4 bytes) stays under the 16 KiB XLA:CPU's matrix-vector
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
@@ -62,11 +63,15 @@ def column_blocks(n_in: int, max_in: int = GEMV_MAX_IN) -> tuple[int, ...]:
 
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] times W [out, in] transposed -> [..., out], in x's dtype (float32 accumulation)."""
-    if quant.is_quantized(w):  # int8 / int4 forms (gemmax.quant.forms) and their column blocks
-        return quant.linear(x, w)
+    blocks = w if isinstance(w, tuple) else (w,)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k)  # [rows, in]: a 3-D operand loses the CPU matrix-vector fusion
-    y = _blocks(x2, w) if isinstance(w, tuple) else _product(x2, w)
+    if isinstance(blocks[0], StoredWeight):
+        if sum(b.shape[1] for b in blocks) != k:
+            raise ValueError(f"weight has {sum(b.shape[1] for b in blocks)} inputs but x has {k}")
+        y = type(blocks[0]).matmul(x2, blocks).astype(x.dtype)
+    else:
+        y = _blocks(x2, w) if isinstance(w, tuple) else _product(x2, w)
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -140,8 +145,8 @@ def _blocks(x: jax.Array, blocks: tuple[jax.Array, ...]) -> jax.Array:
 
 def lookup(table, ids: jax.Array, dtype) -> jax.Array:
     """Rows of an embedding table [V, D] (or its column blocks) for ids [...] -> [..., D] in `dtype`."""
-    if quant.is_quantized(table):  # 8 / 4-bit tables (gemmax.quant.forms)
-        return quant.lookup(table, ids, dtype)
+    if isinstance(table, StoredWeight):  # 8 / 4-bit tables (gemmax.quant.table)
+        return table.rows(ids).astype(dtype)
     if isinstance(table, tuple):
         return jnp.concatenate([jnp.take(block, ids, axis=0).astype(dtype) for block in table], axis=-1)
     return jnp.take(table, ids, axis=0).astype(dtype)

@@ -1,4 +1,5 @@
-"""What each compiled op of a step does, read from the optimized HLO module that ran.
+"""What each compiled op of a step does, read from the optimized HLO module that ran (through the
+engine's one HLO reader, gemmax.engine.hlo).
 
 The profiler times ops by the name of their HLO instruction (the `hlo_op` stat of each trace event);
 this module says what each such instruction is, from its opcode and the opcodes fused into it, never
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+
+from gemmax.engine.hlo import HloIndex, Instr
 
 # The categories, in the order reports list them.
 CATEGORIES = ("conversion", "matmul_fp32", "matmul_lowp", "attention", "gather", "scatter", "reduce", "copy",
@@ -53,26 +55,6 @@ _REDUCES = frozenset({"reduce", "reduce-window", "sort", "all-reduce"})
 _CONTROL = frozenset({"conditional", "while", "call", "async-start", "async-done"})
 _FP32 = frozenset({"f32", "f64"})
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<dtype>\w+)?\[?")
-_CALLS = re.compile(r"calls=%([\w.\-]+)")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_PARAM = re.compile(r"parameter\((\d+)\)")
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    """One HLO instruction, as much of it as the classifier needs."""
-
-    name: str
-    opcode: str  # HLO text spelling: "fusion", "dynamic-update-slice", ...
-    dtype: str | None  # element type of an array result ("bf16"); None for tuples
-    operands: tuple[str, ...]
-    calls: str | None  # the fused computation of a fusion
-    target: str | None  # custom-call target
-    parameter: int | None  # parameter number
-    op_name: str  # the JAX-level name in the metadata ("params['layers'][0]['up']", "jit(f)/dot_general")
-
 
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
@@ -83,62 +65,6 @@ class OpInfo:
     read_dtype: str | None = None  # matmul: the dtype the weight is read in
     fused_convert: bool = False  # not a conversion op, but a convert is fused into it
     op_name: str = ""
-
-
-def _opcode_text(opcode: Any) -> str:
-    """jaxlib's HloOpcode.kDynamicUpdateSlice -> "dynamic-update-slice" (the HLO text spelling)."""
-    name = opcode.name[1:] if opcode.name.startswith("k") else opcode.name
-    return re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower()
-
-
-def _instr(hlo_instruction: Any) -> Instr:
-    text = hlo_instruction.to_string()
-    head = _NAME.match(text)
-    calls = _CALLS.search(text)
-    target = _TARGET.search(text)
-    param = _PARAM.search(text)
-    op_name = _OP_NAME.search(text)
-    opcode = _opcode_text(hlo_instruction.opcode)
-    return Instr(
-        name=hlo_instruction.name,
-        opcode=opcode,
-        dtype=head.group("dtype") if head else None,
-        operands=tuple(o.name for o in hlo_instruction.operands()),
-        calls=calls.group(1) if calls and opcode == "fusion" else None,
-        target=target.group(1) if target else None,
-        parameter=int(param.group(1)) if param and opcode == "parameter" else None,
-        op_name=op_name.group(1).replace("\\'", "'") if op_name else "",
-    )
-
-
-class HloIndex:
-    """Every instruction of one optimized HLO module, by name, with its computation's instructions."""
-
-    def __init__(self, hlo_module: Any):
-        self.name: str = hlo_module.name
-        self.computations: dict[str, dict[str, Instr]] = {}
-        for comp in hlo_module.computations():
-            self.computations[comp.name] = {i.name: i for i in map(_instr, comp.instructions())}
-        self.instrs: dict[str, Instr] = {}
-        self.home: dict[str, str] = {}  # instruction name -> its computation
-        for comp_name, instrs in self.computations.items():
-            for name, instr in instrs.items():
-                self.instrs[name] = instr
-                self.home[name] = comp_name
-
-    @classmethod
-    def from_compiled(cls, compiled: Any) -> HloIndex:
-        """From a `jax.stages.Compiled` (`jitted.lower(...).compile()`): the module that actually runs."""
-        return cls(compiled.runtime_executable().hlo_modules()[0])
-
-    def body(self, instr: Instr) -> list[Instr]:
-        """The instruction, or everything fused into it (nested fusions flattened)."""
-        if instr.calls is None:
-            return [instr]
-        out = []
-        for inner in self.computations.get(instr.calls, {}).values():
-            out.extend(self.body(inner) if inner.calls is not None else [inner])
-        return out
 
 
 def _pure_conversion(body: list[Instr]) -> bool:

@@ -68,7 +68,7 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         from gemmax.engine.fastpath import prepare_params
         from gemmax.engine.loading import resolve_policy
         from gemmax.model.params import random_params
-        from gemmax.quant.forms import QuantOptions, quantize_params
+        from gemmax.quant import QuantOptions, quantize_params
         from gemmax.weights.load import open_source
 
         quant = (quant or QuantOptions()).for_source(False, dtype_given=True)  # random weights: nothing was quantised

@@ -1,8 +1,9 @@
 """A fused W4A16 matmul in Pallas, and the check that its tiles fit the device's on-chip memory.
 
-The kernel computes y [M, N] = x [M, K] @ W.T for one packing chunk of an `Int4Weight` (gemmax.quant.forms:
-K <= 4095 columns; byte j of row n holds column j in its low nibble and column K/2 + j in its high
-nibble, two's-complement int4; one bfloat16 scale per `group` columns). Each program of the grid
+The kernel computes y [M, N] = x [M, K] @ W.T for one packing chunk of an `Int4Weight`
+(gemmax.quant.w4a16, laid out as gemmax.quant.packing says: K <= 4095 columns; byte j of row n holds
+column j in its low nibble and column K/2 + j in its high nibble, two's-complement int4; one
+bfloat16 scale per `group` columns). `W4Tiles` (gemmax.quant.options) names its block. Each program of the grid
 (M / bm, N / bn) owns one [bm, bn] output block: it walks K in steps of `bk` columns (bk/2 packed
 bytes, bk/2 from each nibble plane), unpacks and scales the weight tile in registers, multiplies it
 with the matching x columns and accumulates in float32. The weight is read once, as 4-bit data.
@@ -36,6 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gemmax.model.params import param_specs
+from gemmax.quant.options import W4Tiles
+from gemmax.quant.packing import int4_group, packing_chunks
+
 KiB = 1024
 
 # Largest shared memory one thread block may use with the opt-in attribute, by compute capability
@@ -43,31 +48,6 @@ KiB = 1024
 SMEM_PER_BLOCK = {"7.5": 64 * KiB, "8.0": 163 * KiB, "8.6": 99 * KiB, "8.9": 99 * KiB, "9.0": 227 * KiB}
 SMEM_DEFAULT = 48 * KiB  # any other GPU: the limit without opt-in
 TPU_SCOPED_VMEM = 16 * 1024 * KiB  # the default scoped VMEM limit of a TPU core
-
-
-@dataclasses.dataclass(frozen=True)
-class W4Tiles:
-    """Block of the W4A16 kernel: bm rows of x, bn output columns, bk input columns per K step; `stages`
-    buffers of the streamed tiles (2: double-buffered, as Triton and the TPU pipeline do)."""
-
-    bm: int
-    bn: int
-    bk: int
-    stages: int = 2
-
-    def __str__(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}x{self.stages}"
-
-    @classmethod
-    def parse(cls, text: str) -> W4Tiles:
-        """'BMxBNxBK' or 'BMxBNxBKxSTAGES', e.g. '16x512x2048x2'."""
-        try:
-            parts = [int(p) for p in text.lower().split("x")]
-            if len(parts) not in (3, 4) or min(parts) < 1:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"tiles must look like BMxBNxBK[xSTAGES] with positive integers, got {text!r}") from None
-        return cls(*parts)
 
 
 # What the TPU deployment used (and what a port to a GPU would naively keep).
@@ -140,10 +120,7 @@ def block_bytes(shape: tuple[int, int], tiles: W4Tiles, group: int, x_itemsize: 
 
 def w4a16_shapes(config) -> dict[tuple[int, int, int], tuple[str, ...]]:
     """{(N, K chunk, group): matrix names} for every matrix an `Int4Weight` stores, chunked as
-    gemmax.quant.forms packs it."""
-    from gemmax.model.params import param_specs
-    from gemmax.quant.forms import int4_group, packing_chunks
-
+    gemmax.quant.packing packs it."""
     shapes: dict[tuple[int, int, int], list[str]] = {}
     for spec in param_specs(config):
         if spec.kind == "matrix":
