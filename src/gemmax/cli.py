@@ -183,6 +183,9 @@ def serve(
     served_model_name: str = typer.Option(None, help="model name in the API (default: --model, or the built-in name)"),
     on_degenerate: str = typer.Option("flag", help="flag: report degenerate output; error: answer it with an error"),
     drain_timeout: float = typer.Option(30.0, min=0.0, help="seconds in-flight requests get at SIGTERM"),
+    max_queue: int = typer.Option(256, min=0, help="requests that may wait for a slot (0: no bound); beyond: 503 with Retry-After"),
+    max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
+    allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
     log_level: str = typer.Option("info"),
     quant=None,
 ) -> None:
@@ -198,14 +201,15 @@ def serve(
 
         served_model_name = model or BUILTIN_NAME
     settings = ServerSettings(served_model_name=served_model_name, model_root=model, api_key=api_key,
-                              on_degenerate=on_degenerate, drain_timeout=drain_timeout)
+                              on_degenerate=on_degenerate, drain_timeout=drain_timeout, host=host,
+                              allowed_hosts=tuple(allowed_host), max_choices=max_choices)
 
     def load():
         from gemmax.engine.engine import BatchEngine
         from gemmax.runtime import load_model
 
         loaded = load_model(model, dtype, quant)
-        engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch)
+        engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None)
         engine.start()  # warm-up runs in the engine's thread; /health turns 200 when it is done
         return engine, loaded.tokenizer
 
