@@ -246,6 +246,7 @@ def mcp_server(
     transport: str = typer.Option("stdio", help="stdio, or http (streamable HTTP at http://HOST:PORT/mcp)"),
     host: str = typer.Option("127.0.0.1", help="http: bind address"),
     port: int = typer.Option(8765, min=1, max=65535, help="http: port"),
+    allow_urls: bool = typer.Option(False, "--allow-urls", help="let compile_cache_export/import use URL destinations (fsspec)"),
 ) -> None:
     """MCP server with tools to start, inspect and stop deployments, check the device, plan memory,
     run and compare sweeps and move the compile cache (docs/mcp.md)."""
@@ -253,7 +254,7 @@ def mcp_server(
         raise typer.BadParameter("--transport must be 'stdio' or 'http'")
     from gemmax.mcp.server import run
 
-    run(transport, host, port)
+    run(transport, host, port, allow_urls)
 
 
 @app.command()

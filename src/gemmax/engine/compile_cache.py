@@ -29,8 +29,13 @@ _HIT = "/jax/compilation_cache/cache_hits"
 _MISS = "/jax/compilation_cache/cache_misses"
 
 
+def cache_root() -> Path:
+    """gemmax's cache directory ($GEMMAX_COMPILE_CACHE, else the user cache dir)."""
+    return Path(os.environ.get("GEMMAX_COMPILE_CACHE", platformdirs.user_cache_dir("gemmax")))
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("GEMMAX_COMPILE_CACHE", platformdirs.user_cache_dir("gemmax"))) / "xla"
+    return cache_root() / "xla"
 
 
 def enable(directory: str | Path | None = None) -> Path:
@@ -115,8 +120,9 @@ def export_cache(dest: str, directory: str | Path | None = None) -> int:
 
 def import_cache(src: str, directory: str | Path | None = None) -> int:
     """Unpack a tarball made by export_cache into the cache directory; returns files restored."""
-    target = Path(directory) if directory else default_cache_dir()
+    target = (Path(directory) if directory else default_cache_dir())
     target.mkdir(parents=True, exist_ok=True)
+    target = target.resolve()
     with _open(src, "rb") as f:
         data = f.read()
     count = 0
@@ -126,6 +132,9 @@ def import_cache(src: str, directory: str | Path | None = None) -> int:
                 continue
             out = target / Path(member.name).relative_to("xla")
             out.parent.mkdir(parents=True, exist_ok=True)
+            if not out.parent.resolve().is_relative_to(target):  # a symlinked folder inside the cache
+                raise ValueError(f"{member.name} would be written outside {target}")
+            out.unlink(missing_ok=True)  # never write through a symlink left at that name
             out.write_bytes(tar.extractfile(member).read())
             count += 1
     return count
