@@ -90,6 +90,10 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_promp
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: use /v1/completions with token ids", "messages")
     plain = [m.model_dump(exclude_none=True) for m in messages]
+    if not plain:
+        raise bad_request("messages must not be empty", "messages")
+    if continue_final_message and plain[-1].get("role") != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message", "messages")
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
