@@ -11,6 +11,8 @@ queue, cancellation, timings, drain on shutdown) but "generates" by rule instead
 - an eos / stop id before `min_tokens` is skipped (the next id of the cycle comes instead);
 - logprobs: the chosen id gets -0.25, the k top entries are (id, -0.25), (id + 1, -1.25), ...;
 - degeneracy: flagged when the last 8 ids are one id repeated;
+- requests are validated by the engine's own `validate_request`, and the wait queue is bounded by the
+  same `Admission` rule as BatchEngine's (`max_queue`);
 - `fault_token` in a prompt: the request ends with finish_reason "error"; `crash_token`: submit raises;
   `warmup_error`: warm-up fails and `error` is set (as BatchEngine reports it).
 
@@ -33,15 +35,16 @@ from collections import deque
 from pathlib import Path
 
 from gemmax.engine.api import (
+    Admission,
     DegeneracyVerdict,
     EngineNotReady,
     EngineStats,
     GenerationRequest,
     GenerationResult,
-    PromptTooLong,
     RequestHandle,
     RequestTimings,
     TokenEvent,
+    validate_request,
 )
 
 DEGENERATE_RUN = 8
@@ -63,7 +66,7 @@ class _Run:
 class FakeEngine:
     def __init__(self, *, special_ids=frozenset(), eos_token_ids=(1,), vocab_size=512, max_model_len=128,
                  max_batch=4, warmup_seconds=0.0, token_delay=0.0, prefill_delay=0.0, fault_token=None,
-                 crash_token=None, weight_bytes=123_456, warmup_error=None):
+                 crash_token=None, weight_bytes=123_456, warmup_error=None, max_queue=None):
         self.special_ids = frozenset(special_ids) | frozenset(eos_token_ids)
         self._eos = tuple(eos_token_ids)
         self._max_model_len, self.max_batch = max_model_len, max_batch
@@ -74,6 +77,7 @@ class FakeEngine:
         self.warmup_error = warmup_error
         self.error: BaseException | None = None  # a failed warm-up, reported like BatchEngine does
         self.submitted: list[GenerationRequest] = []  # every request the server sent, for the tests
+        self.admission = Admission(max_queue, max_batch)
         self._cond = threading.Condition()
         self._waiting: deque[_Run] = deque()
         self._active: list[_Run] = []
@@ -113,14 +117,14 @@ class FakeEngine:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if not self.ready:
             raise EngineNotReady("fake engine is not ready")
-        if len(request.prompt_ids) + 1 > self._max_model_len:
-            raise PromptTooLong(len(request.prompt_ids), self._max_model_len)
+        validate_request(request, max_model_len=self._max_model_len, vocab_size=self.vocab_size)
         if self.crash_token is not None and self.crash_token in request.prompt_ids:
             raise RuntimeError("fake engine crashed on submit")
         self.submitted.append(request)
         handle = RequestHandle(f"fake-{next(self._ids)}", request, loop)
         content = [t for t in request.prompt_ids if t not in self.special_ids] or [request.prompt_ids[-1]]
         with self._cond:
+            self.admission.check(len(self._waiting))
             self._waiting.append(_Run(handle, content, time.perf_counter()))
             self._cond.notify()
         return handle

@@ -201,14 +201,32 @@ def test_restart_with_warm_compile_cache_hits_it(hf_checkpoints, tmp_path):
         "e = BatchEngine(load_model(sys.argv[1], 'float32'), max_model_len=64, max_batch=2, buckets=(16,),"
         " compile_cache_dir=sys.argv[2]).start(background=False); print(json.dumps(e.warmup_report)); e.shutdown(1)"
     )
-    reports = []
-    for _ in range(2):
+    reports, logs = [], []
+
+    def start() -> None:
         out = subprocess.run([sys.executable, "-c", script, str(hf_checkpoints["g4_plain"][0]), str(tmp_path)],
                              capture_output=True, text=True, timeout=600, check=True)
         reports.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        logs.append(out.stderr)
+
+    start()
+    start()
     cold, warm = reports
     assert cold["cache_misses"] > 0 and not cold["cache_hit"]
     assert warm["cache_hit"] and warm["cache_misses"] == 0
+    # Corrupted entries (one truncated, one overwritten) are detected, logged once and replaced.
+    entries = sorted(tmp_path.glob("*-cache"))
+    entries[0].write_bytes(entries[0].read_bytes()[: len(entries[0].read_bytes()) // 2])
+    entries[1].write_bytes(b"\0" * 64)
+    start()
+    scrubbed = reports[-1]
+    assert scrubbed["corrupt_entries_replaced"] == 2 and scrubbed["cache_misses"] == 2
+    assert scrubbed["cache_hits"] == warm["cache_hits"] - 2
+    assert logs[-1].count("corrupted entries removed") == 1 and entries[0].name in logs[-1]
+    assert "Error reading persistent compilation cache" not in logs[-1]
+    from gemmax.engine.compile_cache import scrub
+
+    assert entries[0].exists() and entries[1].exists() and scrub(tmp_path) == []  # written anew, valid
 
 
 def test_cache_export_import_round_trip(tmp_path):
@@ -328,3 +346,126 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
         assert np.array_equal(ids_a, ids_b) and np.allclose(lp_a, lp_b, atol=1e-5)
     for a, b in zip(jax.tree.leaves(cache_all), jax.tree.leaves(cache_bound), strict=True):
         assert np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ reliability
+# (issue 15: one bad request must never hurt another)
+
+
+def test_unrepresentable_values_are_refused_at_submit_and_nothing_else_is_hurt(engine, loaded):
+    """top_k = 2**31 used to overflow inside the engine step and fail every request in flight."""
+    from gemmax.engine.api import InvalidRequest
+
+    running = engine.submit(GenerationRequest((11, 12, 13), 20, ignore_eos=True))
+    next(iter(running))
+    vocab = loaded.checkpoint.config.vocab_size
+    for kwargs, param in [({"sampling": SamplingParams(temperature=1.0, top_k=2**31)}, "top_k"),
+                          ({"sampling": SamplingParams(temperature=float("inf"))}, "temperature"),
+                          ({"sampling": SamplingParams(temperature=1e9)}, "temperature"),
+                          ({"sampling": SamplingParams(top_p=float("nan"))}, "top_p"),
+                          ({"stop_token_ids": (vocab,)}, "stop_token_ids"),
+                          ({"min_tokens": 200}, "min_tokens")]:
+        with pytest.raises(InvalidRequest) as info:
+            engine.submit(GenerationRequest((5, 6), 30, **kwargs))
+        assert info.value.param == param
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.submit(GenerationRequest((5, vocab), 3))
+    result = running.wait()
+    assert result.finish_reason == "length" and list(result.token_ids) == _reference(loaded, (11, 12, 13), 20)
+
+
+def test_a_fault_in_one_request_ends_that_request_alone(engine, loaded, monkeypatch):
+    """A prefill that raises while other requests decode: only that request ends with the error."""
+    original = engine._run_prefill
+
+    def broken(tokens, *args):
+        if tokens[0, 0] == 98:
+            raise RuntimeError("simulated fault in this request's step")
+        return original(tokens, *args)
+
+    monkeypatch.setattr(engine, "_run_prefill", broken)
+    others = [engine.submit(GenerationRequest((20 + i, 3, 4), 24, ignore_eos=True)) for i in range(2)]
+    for handle in others:
+        next(iter(handle))  # both are decoding
+    failed = engine.submit(GenerationRequest((98, 3, 4), 5, ignore_eos=True)).wait()
+    assert failed.finish_reason == "error" and "simulated fault" in failed.error
+    for i, handle in enumerate(others):
+        result = handle.wait()
+        assert result.finish_reason == "length", result.error
+        assert list(result.token_ids) == _reference(loaded, (20 + i, 3, 4), 24)
+
+
+def test_a_fault_delivering_one_requests_tokens_ends_it_alone(engine, loaded):
+    victim = engine.submit(GenerationRequest((30, 3, 4), 24, ignore_eos=True))
+    other = engine.submit(GenerationRequest((31, 3, 4), 24, ignore_eos=True))
+    delivered = []
+
+    def put(event):
+        if len(delivered) == 3:
+            raise OSError("the consumer's queue broke")
+        delivered.append(event)
+        victim._deliver(event)
+
+    victim.put = put
+    failed, ok = victim.wait(), other.wait()
+    assert failed.finish_reason == "error" and "consumer's queue broke" in failed.error
+    assert ok.finish_reason == "length" and list(ok.token_ids) == _reference(loaded, (31, 3, 4), 24)
+
+
+def test_cancellation_is_honoured_before_admission_and_between_prefill_chunks(engine, monkeypatch):
+    original = engine._run_prefill
+    chunks: list[int] = []
+    queued = []
+
+    def watched(tokens, *args):
+        chunks.append(int(tokens[0, 0]))
+        if tokens[0, 0] == 50:
+            for handle in queued:  # cancelled while this one prefills: they must never prefill
+                handle.cancel()
+        if tokens[0, 0] == 60:
+            long_one.cancel()  # cancelled after its first chunk of three
+        return original(tokens, *args)
+
+    monkeypatch.setattr(engine, "_run_prefill", watched)
+    blockers = [engine.submit(GenerationRequest((40 + i, 3), 30, ignore_eos=True)) for i in range(2)]
+    for handle in blockers:
+        next(iter(handle))
+    first = engine.submit(GenerationRequest((50, 3), 2, ignore_eos=True))
+    queued += [engine.submit(GenerationRequest((70 + i, 3), 2, ignore_eos=True)) for i in range(4)]
+    assert first.wait().finish_reason == "length"
+    assert [h.wait().finish_reason for h in queued] == ["cancelled"] * 4
+    long_one = engine.submit(GenerationRequest((60, *range(3, 72)), 5, ignore_eos=True))  # 70 ids: 32 + 32 + 8
+    result = long_one.wait()
+    assert result.finish_reason == "cancelled" and result.token_ids == ()
+    assert not set(chunks) & {70, 71, 72, 73} and chunks.count(60) == 1
+    for handle in blockers:
+        handle.cancel()
+        handle.wait()
+
+
+def test_a_flood_of_one_token_requests_does_not_starve_decoding(engine):
+    """max_tokens=1 requests finish at their prefill and free their slot at once; admission used to
+    refill it in the same loop iteration, forever, while the running request got no decode step."""
+    running = engine.submit(GenerationRequest((80, 3, 4), 30, ignore_eos=True))
+    next(iter(running))
+    flood = [engine.submit(GenerationRequest((81, 3), 1, ignore_eos=True)) for _ in range(90)]
+    running.wait()
+    done_before = sum(h.result is not None for h in flood)
+    assert done_before < len(flood), "the running request waited for the whole flood"
+    assert all(h.wait().finish_reason == "length" for h in flood)
+
+
+def test_the_wait_queue_is_bounded(engine, monkeypatch):
+    from gemmax.engine.api import Admission, QueueFull
+
+    monkeypatch.setattr(engine, "admission", Admission(2, engine.max_batch))
+    handles = []
+    with pytest.raises(QueueFull) as info:
+        for i in range(engine.max_batch + 20):  # the queue drains into free slots as we go
+            handles.append(engine.submit(GenerationRequest((90 + i, 3), 40, ignore_eos=True)))
+    assert 2 <= len(handles) <= engine.max_batch + 2  # at most every slot busy and 2 waiting
+    assert 1 <= info.value.retry_after <= 60 and (info.value.max_queue, info.value.waiting) == (2, 2)
+    for handle in handles:
+        handle.cancel()
+        handle.wait()
+    assert engine.submit(GenerationRequest((7, 3), 2)).wait().finish_reason in ("length", "stop")

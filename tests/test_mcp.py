@@ -111,7 +111,7 @@ async def test_lists_tools_with_schemas(state):
     assert rigs[0]["available"] and rigs[1]["available"]  # torch + transformers are test dependencies
 
 
-async def test_gemmax_deployment_query_sweep_status_logs(gemmax_deployment, checkpoint, tmp_path):
+async def test_gemmax_deployment_query_sweep_status_logs(gemmax_deployment, checkpoint, state):
     started = gemmax_deployment
     name, port = started["deployment"]["name"], started["deployment"]["port"]
     assert started["state"] == "ready" and name == f"gemmax-{port}"
@@ -142,7 +142,7 @@ async def test_gemmax_deployment_query_sweep_status_logs(gemmax_deployment, chec
                                                          "chat": True}))
         assert chat["endpoint"] == "/v1/chat/completions" and chat["usage"]["completion_tokens"] <= 4
 
-        out = tmp_path / "sweep.json"
+        out = state / "sweep.json"
         sweep = ok(await client.call_tool("run_sweep", {
             "deployment": name, "input_lens": [16], "output_len": 4, "repeats": 1, "concurrency": [1],
             "out": str(out)}))
@@ -193,12 +193,12 @@ async def test_bad_arguments_are_tool_errors(state, checkpoint, tmp_path):
         assert "no deployment named 'ghost'" in error(await client.call_tool("deployment_logs", {"name": "ghost"}))
         assert "no deployment named 'ghost'" in error(await client.call_tool("query_model", {
             "deployment": "ghost", "prompt": "x"}))
-        not_a_run = tmp_path / "other.json"
+        not_a_run = state / "other.json"
         not_a_run.write_text(json.dumps({"schema": "something-else"}))
         assert "is not a gemmax bench result" in error(await client.call_tool("compare_results", {
             "files": [str(not_a_run), str(not_a_run)]}))
         assert "no compilation cache at" in error(await client.call_tool("compile_cache_export", {
-            "dest": str(tmp_path / "c.tar.gz"), "cache_dir": str(tmp_path / "missing")}))
+            "dest": str(state / "c.tar.gz"), "cache_dir": str(state / "missing")}))
         # nothing was recorded by the refused starts
         recorded = ok(await client.call_tool("list_deployments", {}))["result"]
         assert all(d["deployment"]["port"] not in refused for d in recorded)
@@ -293,16 +293,16 @@ async def test_verify_device_and_fit_check(state, checkpoint):
         assert "gemmax fit failed" in error(await client.call_tool("fit_check", {"model": "/no/such/model"}))
 
 
-async def test_profile_decode(state, checkpoint, tmp_path):
+async def test_profile_decode(state, checkpoint):
     from gemmax.profile.report import load
 
-    out = tmp_path / "profile"
+    out = state / "profile"
     async with Client(build_server()) as client:
         result = ok(await client.call_tool("profile_decode", {
             "model": str(checkpoint), "steps": 2, "warmup": 1, "context": 16, "peak_bandwidth_gbs": 30.0,
             "out": str(out)}))
         assert "gemmax profile failed" in error(await client.call_tool("profile_decode", {
-            "model": str(checkpoint), "context": 10**6, "out": str(tmp_path / "bad")}))
+            "model": str(checkpoint), "context": 10**6, "out": str(state / "bad")}))
     assert result["report_path"] == str(out / "profile.json") and result["trace_dir"] == str(out)
     report = result["report"]
     assert report == load(out / "profile.json")
@@ -311,7 +311,9 @@ async def test_profile_decode(state, checkpoint, tmp_path):
     assert report["model"] in result["text"]
 
 
-async def test_compile_cache_export_import(state, tmp_path):
+async def test_compile_cache_export_import(state, monkeypatch):
+    monkeypatch.setenv(ops.ALLOW_URLS_ENV, "1")
+    tmp_path = state / "cache-test"
     source = tmp_path / "cache"
     (source / "sub").mkdir(parents=True)
     files = {"a-cache": os.urandom(3000), "sub/b-cache": b"compiled"}
@@ -325,6 +327,66 @@ async def test_compile_cache_export_import(state, tmp_path):
             imported = ok(await client.call_tool("compile_cache_import", {"src": url, "cache_dir": str(target)}))
             assert imported["files_restored"] == len(files)
             assert {rel: (target / rel).read_bytes() for rel in files} == files
+
+
+async def test_file_arguments_are_confined_and_urls_are_opt_in(state, checkpoint, tmp_path, monkeypatch):
+    """compile_cache_export packed any directory into any file or URL, compile_cache_import unpacked
+    anywhere, run_sweep / profile_decode wrote anywhere, compare_results read anything, and
+    start_deployment bound 0.0.0.0 without a key: each is refused with a message that says why."""
+    monkeypatch.delenv(ops.ALLOW_URLS_ENV, raising=False)
+    secret = tmp_path / "ssh"
+    secret.mkdir()
+    (secret / "authorized_keys").write_text("ssh-ed25519 AAAA original")
+    (state / "escape").symlink_to(secret)
+    inside_cache = state / "xla-cache"
+    inside_cache.mkdir(exist_ok=True)
+    (inside_cache / "a-cache").write_bytes(b"compiled")
+    outside = "outside gemmax's own directories"
+    async with Client(build_server()) as client:
+        async def refused(tool: str, **arguments) -> str:
+            return error(await client.call_tool(tool, arguments))
+
+        assert outside in await refused("compile_cache_export", dest=str(tmp_path / "out.tar.gz"),
+                                        cache_dir=str(inside_cache))
+        assert outside in await refused("compile_cache_export", dest=str(state / "ok.tar.gz"), cache_dir=str(secret))
+        assert outside in await refused("compile_cache_export", dest=str(state / ".." / "up.tar.gz"),
+                                        cache_dir=str(inside_cache))
+        assert outside in await refused("compile_cache_export", dest=str(state / "escape" / "authorized_keys"),
+                                        cache_dir=str(inside_cache))
+        assert "URL destinations are off" in await refused("compile_cache_export", dest="memory://x/c.tar.gz",
+                                                           cache_dir=str(inside_cache))
+        ok(await client.call_tool("compile_cache_export", {"dest": "c.tar.gz", "cache_dir": str(inside_cache)}))
+        assert (state / "c.tar.gz").is_file()  # a relative path lands in the state directory
+        assert outside in await refused("compile_cache_import", src="c.tar.gz", cache_dir=str(secret))
+        assert outside in await refused("compile_cache_import", src="c.tar.gz", cache_dir=str(state / "escape"))
+        assert outside in await refused("compile_cache_import", src=str(tmp_path / "c.tar.gz"))
+        assert "URL destinations are off" in await refused("compile_cache_import", src="s3://bucket/c.tar.gz")
+        assert outside in await refused("compare_results", files=[str(secret / "authorized_keys")] * 2)
+        assert outside in await refused("profile_decode", model=str(checkpoint), out=str(tmp_path / "profile"))
+        assert outside in await refused("run_sweep", deployment="ghost", out=str(tmp_path / "sweep.json"))
+        assert "needs an API key" in await refused("start_deployment", rig="gemmax", model=str(checkpoint),
+                                                   port=free_port(), options={"host": "0.0.0.0"})
+        assert "cannot be given an API key" in await refused(
+            "start_deployment", rig="transformers", model=str(checkpoint), port=free_port(),
+            options={"host": "0.0.0.0", "api_key": "k"})
+    assert (secret / "authorized_keys").read_text() == "ssh-ed25519 AAAA original"
+    assert sorted(p.name for p in secret.iterdir()) == ["authorized_keys"]
+
+
+def test_cache_import_never_writes_through_a_symlink(tmp_path):
+    from gemmax.engine.compile_cache import export_cache, import_cache
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "authorized_keys").write_bytes(b"compiled")
+    export_cache(str(tmp_path / "c.tar.gz"), source)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "authorized_keys").symlink_to(victim)
+    assert import_cache(str(tmp_path / "c.tar.gz"), target) == 1
+    assert victim.read_text() == "precious" and (target / "authorized_keys").read_bytes() == b"compiled"
 
 
 async def test_streamable_http_transport(state):

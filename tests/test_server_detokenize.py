@@ -129,9 +129,9 @@ def test_validation_message_has_no_pydantic_internals():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "temperature": -1})
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
     message, param = validation_message(info.value)
     assert param == "temperature"
-    assert message.startswith("temperature: ") and "-1" in message
-    for leak in ("pydantic", "https://", "greater_than_equal", "ValidationError", "input_value"):
+    assert message.startswith("temperature: ") and "'hot'" in message
+    for leak in ("pydantic", "https://", "float_type", "ValidationError", "input_value"):
         assert leak not in message

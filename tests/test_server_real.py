@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -200,3 +201,47 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
             proc.kill()
         output = proc.communicate()[0]
     assert "gemmax device policy" in output
+
+
+async def test_a_request_the_engine_cannot_represent_hurts_no_other(server, loaded):
+    """top_k = 2**31 used to overflow inside the engine step: every stream in flight failed and the
+    offending request got a 500. Now it is a 400 and the streams finish with their reference text."""
+    url, engine = server
+    prompts = [[loaded.tokenizer.bos_token_id, *range(400 + 5 * i, 405 + 5 * i)] for i in range(3)]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    async def one(prompt):
+        ids = []
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            ids += chunk.choices[0].model_extra["token_ids"]
+        return ids
+
+    streams = [asyncio.create_task(one(p)) for p in prompts]
+    while engine.stats().running == 0:
+        await asyncio.sleep(0.01)
+    for extra in ({"top_k": 2**31}, {"temperature": 1e9}, {"stop_token_ids": [10**6]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="tiny", prompt="hi", max_tokens=4, extra_body=extra)
+        assert info.value.body["param"] == next(iter(extra))
+    results = await asyncio.gather(*streams)
+    await client.close()
+    assert results == [reference(loaded, p) for p in prompts]
+
+
+async def test_a_short_soak_loses_and_corrupts_nothing(server):
+    """benchmarks/soak.py for a few seconds: 8 streaming clients on 4 slots, every text checked
+    against the sequential run."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "benchmarks" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = soak  # dataclasses look their module up
+    spec.loader.exec_module(soak)
+    summary = await soak.soak(server[0], clients=8, seconds=4, max_tokens=8, prompts=soak.PROMPTS[:6],
+                              pid=os.getpid())
+    assert soak.healthy(summary), summary
+    assert summary["completed"] >= 8 and summary["rss_end_mb"] > 0
+    assert "lost" in soak.table(summary)

@@ -184,6 +184,9 @@ def serve(
     served_model_name: str = typer.Option(None, help="model name in the API (default: --model, or the built-in name)"),
     on_degenerate: str = typer.Option("flag", help="flag: report degenerate output; error: answer it with an error"),
     drain_timeout: float = typer.Option(30.0, min=0.0, help="seconds in-flight requests get at SIGTERM"),
+    max_queue: int = typer.Option(256, min=0, help="requests that may wait for a slot (0: no bound); beyond: 503 with Retry-After"),
+    max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
+    allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
     log_level: str = typer.Option("info"),
     quant=None,
 ) -> None:
@@ -199,12 +202,14 @@ def serve(
 
         served_model_name = model or BUILTIN_NAME
     settings = ServerSettings(served_model_name=served_model_name, model_root=model, api_key=api_key,
-                              on_degenerate=on_degenerate, drain_timeout=drain_timeout)
+                              on_degenerate=on_degenerate, drain_timeout=drain_timeout, host=host,
+                              allowed_hosts=tuple(allowed_host), max_choices=max_choices)
 
     def load():  # /health answers 503 until the engine's warm-up is done
         from gemmax.engine.loading import start_engine
 
-        return start_engine(model, dtype, quant, max_model_len=max_model_len, max_batch=max_batch)
+        return start_engine(model, dtype, quant, max_model_len=max_model_len, max_batch=max_batch,
+                            max_queue=max_queue or None)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 
@@ -239,6 +244,7 @@ def mcp_server(
     transport: str = typer.Option("stdio", help="stdio, or http (streamable HTTP at http://HOST:PORT/mcp)"),
     host: str = typer.Option("127.0.0.1", help="http: bind address"),
     port: int = typer.Option(8765, min=1, max=65535, help="http: port"),
+    allow_urls: bool = typer.Option(False, "--allow-urls", help="let compile_cache_export/import use URL destinations (fsspec)"),
 ) -> None:
     """MCP server with tools to start, inspect and stop deployments, check the device, plan memory,
     run and compare sweeps and move the compile cache (docs/mcp.md)."""
@@ -246,7 +252,7 @@ def mcp_server(
         raise typer.BadParameter("--transport must be 'stdio' or 'http'")
     from gemmax.mcp.server import run
 
-    run(transport, host, port)
+    run(transport, host, port, allow_urls)
 
 
 @app.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -19,15 +20,46 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's and vLLM's default bound)
 
 
-class PromptTooLong(ValueError):
+# ------------------------------------------------------------------------------------------ validation
+# Every bound below comes from what the engine can represent: token ids and counters are int32 on
+# the device, the sampling parameters are float32 rows, ids index a vocabulary of `vocab_size`.
+INT32_MAX = 2**31 - 1
+INT64 = 2**63
+MAX_TEMPERATURE = 100.0  # logits / 100 is already flat to within float32 noise for any real model
+MAX_PENALTY = 2.0  # presence / frequency (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP_TOKEN_IDS = 1024
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses: `param` names the offending field, `code` is the API error code.
+    The server maps it to a 400 in the OpenAI shape, nothing more."""
+
+    status = 400
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value"):
+        self.param, self.message, self.code = param, message, code
+        super().__init__(f"{param}: {message}" if param else message)
+
+
+class PromptTooLong(InvalidRequest):
     """prompt_tokens + 1 > max_model_len: refused at submit time, with both numbers."""
 
-    def __init__(self, prompt_tokens: int, max_model_len: int):
+    def __init__(self, prompt_tokens: int, max_model_len: int, param: str = "prompt"):
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
-        super().__init__(
-            f"prompt has {prompt_tokens} tokens but max_model_len is {max_model_len}: "
-            f"at most {max_model_len - 1} prompt tokens leave room for one generated token"
-        )
+        super().__init__(None, f"prompt has {prompt_tokens} tokens but max_model_len is {max_model_len}: "
+                         f"at most {max_model_len - 1} prompt tokens leave room for one generated token",
+                         "context_length_exceeded")
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The wait queue is at its bound (`max_queue`): retry after `retry_after` seconds (503)."""
+
+    def __init__(self, waiting: int, max_queue: int, retry_after: int):
+        self.waiting, self.max_queue, self.retry_after = waiting, max_queue, retry_after
+        super().__init__(f"the server is at capacity: {waiting} requests are waiting (limit {max_queue}); "
+                         f"retry after {retry_after} s")
 
 
 class EngineNotReady(RuntimeError):
@@ -55,6 +87,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0  # eos / stop ids are not honoured before this many tokens
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token's logprob plus top-k
+    # True: max_tokens is capped by the context left after the prompt. False: a prompt + max_tokens
+    # over max_model_len is refused (the OpenAI API's rule for an explicit max_tokens).
+    fit_to_context: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +231,8 @@ class Engine(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        """Queue a request (thread-safe). Raises PromptTooLong or EngineNotReady."""
+        """Validate (`validate_request`) and queue a request (thread-safe). Raises InvalidRequest
+        (PromptTooLong among them), QueueFull or EngineNotReady."""
         ...
 
     def stats(self) -> EngineStats: ...
@@ -204,3 +240,91 @@ class Engine(Protocol):
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish (bounded), stop the loop."""
         ...
+
+
+# ------------------------------------------------------------------------------------------ one validator
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(param: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(param, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequest(param, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidRequest(param, f"must lie in {interval}, got {value!r}")
+
+
+def _integer(param: str, value: Any, low: int, high: int, what: str = "") -> None:
+    if not _is_int(value):
+        raise InvalidRequest(param, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidRequest(param, f"must lie in [{low}, {high}]{what}, got {value}")
+
+
+def check_token_ids(param: str, ids: Any, vocab_size: int) -> None:
+    """Every id an int in [0, vocab_size): the one range check, run before anything decodes them."""
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise InvalidRequest(param, f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_size: int) -> None:
+    """Refuse, with the offending parameter, anything the engine cannot serve exactly as asked. The
+    only request validation there is: BatchEngine.submit and the tests' fake engine both call it,
+    and the server maps what it raises to HTTP."""
+    prompt = request.prompt_ids
+    if not prompt:
+        raise InvalidRequest("prompt", "prompt is empty")
+    check_token_ids("prompt", prompt, vocab_size)
+    n = len(prompt)
+    if n + 1 > max_model_len:
+        raise PromptTooLong(n, max_model_len)
+    room = max_model_len - n
+    _integer("max_tokens", request.max_tokens, 1, INT32_MAX)
+    if not request.fit_to_context and request.max_tokens > room:
+        raise InvalidRequest("max_tokens", f"this model's max_model_len is {max_model_len} tokens, but the request "
+                             f"needs {n + request.max_tokens} ({n} in the prompt, {request.max_tokens} in the "
+                             "completion): lower max_tokens or shorten the prompt", "context_length_exceeded")
+    _integer("min_tokens", request.min_tokens, 0, min(room, request.max_tokens),
+             f" (at most max_tokens and the {room} tokens of context left after the prompt)")
+    if not isinstance(request.ignore_eos, bool):
+        raise InvalidRequest("ignore_eos", f"must be a boolean, got {request.ignore_eos!r}")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}")
+    check_token_ids("stop_token_ids", request.stop_token_ids, vocab_size)
+    if request.logprobs is not None:
+        _integer("logprobs", request.logprobs, 0, MAX_LOGPROBS)
+    s = request.sampling
+    _number("temperature", s.temperature, 0.0, MAX_TEMPERATURE)
+    _integer("top_k", s.top_k, -1, vocab_size, " (-1 or 0: off; at most the vocabulary size)")
+    _number("top_p", s.top_p, 0.0, 1.0, low_open=True)
+    _number("min_p", s.min_p, 0.0, 1.0)
+    if s.seed is not None:
+        _integer("seed", s.seed, -INT64, INT64 - 1)
+    _number("presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _number("frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _number("repetition_penalty", s.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+
+
+class Admission:
+    """The bounded wait queue's rule, shared by every engine: refuse a request (QueueFull) once
+    `max_queue` requests wait, with a Retry-After estimated from recent request durations."""
+
+    def __init__(self, max_queue: int | None, slots: int):
+        self.max_queue, self.slots = max_queue, max(slots, 1)
+        self._recent = 2.0  # seconds a request holds a slot (moving average; a guess until measured)
+
+    def check(self, waiting: int) -> None:
+        if self.max_queue is not None and waiting >= self.max_queue:
+            raise QueueFull(waiting, self.max_queue, self.retry_after(waiting))
+
+    def retry_after(self, waiting: int) -> int:
+        return int(min(max(math.ceil(self._recent * (waiting + 1) / self.slots), 1), 60))
+
+    def observe(self, seconds: float) -> None:
+        self._recent = 0.9 * self._recent + 0.1 * max(seconds, 0.0)

@@ -2,7 +2,10 @@
 
 The first request must not pay compilation: the engine compiles every declared shape at start-up,
 and the persistent cache makes a restart skip the XLA work. `track` counts cache hits and misses
-through JAX's own monitoring events during warm-up. `export_cache` / `import_cache` move the cache
+through JAX's own monitoring events during warm-up. Before that, `scrub` checks every entry (each is
+compressed with a checksum): JAX would read a corrupted one, warn, recompile and keep the corrupt file
+forever (it never overwrites an entry); scrubbed entries are logged once and removed, so the
+compilation that follows writes them anew. `export_cache` / `import_cache` move the cache
 directory as a tarball, to a local path or any URL fsspec understands (s3://, gs://, ...).
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import tarfile
 from collections.abc import Iterator
@@ -19,12 +23,19 @@ import jax
 import platformdirs
 from jax import monitoring
 
+log = logging.getLogger("gemmax.engine")
+
 _HIT = "/jax/compilation_cache/cache_hits"
 _MISS = "/jax/compilation_cache/cache_misses"
 
 
+def cache_root() -> Path:
+    """gemmax's cache directory ($GEMMAX_COMPILE_CACHE, else the user cache dir)."""
+    return Path(os.environ.get("GEMMAX_COMPILE_CACHE", platformdirs.user_cache_dir("gemmax")))
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("GEMMAX_COMPILE_CACHE", platformdirs.user_cache_dir("gemmax"))) / "xla"
+    return cache_root() / "xla"
 
 
 def enable(directory: str | Path | None = None) -> Path:
@@ -42,6 +53,7 @@ class Tracker:
         self.directory = directory
         self.hits = 0
         self.misses = 0
+        self.scrubbed: list[str] = []
 
     def __call__(self, event: str, **_: object) -> None:
         if event == _HIT:
@@ -51,13 +63,40 @@ class Tracker:
 
     def summary(self) -> dict[str, object]:
         return {"cache_dir": str(self.directory), "cache_hits": self.hits, "cache_misses": self.misses,
-                "cache_hit": self.hits > 0 and self.misses == 0}
+                "cache_hit": self.hits > 0 and self.misses == 0, "corrupt_entries_replaced": len(self.scrubbed)}
+
+
+ENTRY_SUFFIX = "-cache"  # JAX's file cache: KEY-cache (the entry) and KEY-atime (its access time)
+
+
+def scrub(directory: str | Path) -> list[str]:
+    """Remove the entries of the cache at `directory` that do not decompress (truncated, overwritten,
+    bit-flipped: the compression's checksum fails) or hold no executable; one warning names them.
+    Returns the removed entries' names."""
+    from jax._src.compilation_cache import decompress_executable
+
+    corrupt = []
+    for entry in sorted(Path(directory).glob(f"*{ENTRY_SUFFIX}")):
+        try:
+            if len(decompress_executable(entry.read_bytes())) <= 8:  # 8 bytes of compile time, then the executable
+                raise ValueError("no executable")
+        except Exception:  # zlib.error, zstd errors, OSError
+            corrupt.append(entry.name)
+            entry.unlink(missing_ok=True)
+            entry.with_name(entry.name.removesuffix(ENTRY_SUFFIX) + "-atime").unlink(missing_ok=True)
+    if corrupt:
+        log.warning("compile cache %s: %d corrupted entries removed, they are compiled and written anew: %s",
+                    directory, len(corrupt), ", ".join(corrupt))
+    return corrupt
 
 
 @contextlib.contextmanager
 def track(directory: str | Path | None = None) -> Iterator[Tracker]:
-    """Enable the persistent cache and count its hits / misses while the block runs."""
-    tracker = Tracker(enable(directory))
+    """Enable the persistent cache (its corrupted entries scrubbed first) and count its hits / misses
+    while the block runs."""
+    path = enable(directory)
+    tracker = Tracker(path)
+    tracker.scrubbed = scrub(path)
     monitoring.register_event_listener(tracker)
     try:
         yield tracker
@@ -81,8 +120,9 @@ def export_cache(dest: str, directory: str | Path | None = None) -> int:
 
 def import_cache(src: str, directory: str | Path | None = None) -> int:
     """Unpack a tarball made by export_cache into the cache directory; returns files restored."""
-    target = Path(directory) if directory else default_cache_dir()
+    target = (Path(directory) if directory else default_cache_dir())
     target.mkdir(parents=True, exist_ok=True)
+    target = target.resolve()
     with _open(src, "rb") as f:
         data = f.read()
     count = 0
@@ -92,6 +132,9 @@ def import_cache(src: str, directory: str | Path | None = None) -> int:
                 continue
             out = target / Path(member.name).relative_to("xla")
             out.parent.mkdir(parents=True, exist_ok=True)
+            if not out.parent.resolve().is_relative_to(target):  # a symlinked folder inside the cache
+                raise ValueError(f"{member.name} would be written outside {target}")
+            out.unlink(missing_ok=True)  # never write through a symlink left at that name
             out.write_bytes(tar.extractfile(member).read())
             count += 1
     return count

@@ -37,14 +37,15 @@ import numpy as np
 
 from gemmax.engine import compile_cache
 from gemmax.engine.api import (
+    Admission,
     EngineNotReady,
     EngineStats,
     GenerationRequest,
     GenerationResult,
-    PromptTooLong,
     RequestHandle,
     RequestTimings,
     TokenEvent,
+    validate_request,
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
@@ -81,7 +82,7 @@ class BatchEngine:
 
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
-                 compile_cache_dir: str | None = None):
+                 compile_cache_dir: str | None = None, max_queue: int | None = None):
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -105,6 +106,7 @@ class BatchEngine:
         self._closing = False
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[RequestHandle, float]] = collections.deque()
+        self.admission = Admission(max_queue, max_batch)  # bounded wait queue (None: unbounded)
         self._slots: list[_Slot | None] = [None] * max_batch
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -161,18 +163,10 @@ class BatchEngine:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
-        prompt_len = len(request.prompt_ids)
-        if prompt_len == 0:
-            raise ValueError("prompt is empty")
-        if prompt_len + 1 > self.max_model_len:
-            raise PromptTooLong(prompt_len, self.max_model_len)
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
         handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
         with self._lock:
+            self.admission.check(len(self._queue))  # QueueFull (503 + Retry-After) at the bound
             self._queue.append((handle, time.perf_counter()))
             self._lock.notify()
         return handle
@@ -355,25 +349,37 @@ class BatchEngine:
                     self._finish(i, "cancelled" if self.error is None else "error")
 
     def _admit(self) -> None:
+        """Prefill queued requests into free slots: at most as many as there were free slots when
+        this call began, so requests that finish at their first token (max_tokens=1) free slots for
+        the next iteration, not this one, and the running requests' decode always gets its turn."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
                 self._queue.remove(entry)
+            budget = sum(s is None for s in self._slots)
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
-        while True:
+        while budget > 0:
             with self._lock:
                 free = [i for i, s in enumerate(self._slots) if s is None]
                 if not free or not self._queue:
                     return
                 handle, submitted = self._queue.popleft()
+            if handle.cancelled:  # cancelled since the sweep above: never prefilled
+                self._finish_unstarted(handle, submitted)
+                continue
+            budget -= 1
             try:
                 self._prefill_into(free[0], handle, submitted)
-            except Exception as exc:
-                # This request ends with the error; the loop's handler then fails the running ones
-                # and rebuilds the device state (a failed call may have consumed donated buffers).
-                self._finish_unstarted(handle, submitted, "error", f"{type(exc).__name__}: {exc}")
-                raise
+            except Exception as exc:  # this request ends with the error, and only this one
+                log.exception("prefill of %s failed", handle.request_id)
+                error = f"{type(exc).__name__}: {exc}"
+                slot = self._slots[free[0]]
+                if slot is not None and slot.handle is handle:
+                    self._finish(free[0], "error", error=error)
+                elif handle.result is None:
+                    self._finish_unstarted(handle, submitted, "error", error)
+                self._recover_device_state(exc)
 
     def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float) -> None:
         request = handle.request
@@ -388,6 +394,9 @@ class BatchEngine:
         start = 0
         chunks = plan_chunks(len(prompt), self.buckets)
         for index, (real, bucket) in enumerate(chunks):
+            if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
+                self._finish_unstarted(handle, submitted)
+                return
             chunk = np.zeros((1, bucket), np.int32)
             chunk[0, :real] = prompt[start : start + real]
             out, compiled = self._run_prefill(chunk, slot_index, start, real, index == len(chunks) - 1, want)
@@ -422,7 +431,11 @@ class BatchEngine:
             for j, i in enumerate(slot_of):
                 if self._slots[i] is None or not active[j]:
                     continue
-                self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+                try:
+                    self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+                except Exception as exc:  # delivering this request's token failed: end it alone
+                    log.exception("request %s failed", self._slots[i].handle.request_id)
+                    self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
         self._reap_cancelled()
 
     def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
@@ -456,6 +469,7 @@ class BatchEngine:
         self.want_logprobs[i] = False
         with self._lock:
             self._slots[i] = None
+        self.admission.observe(time.perf_counter() - slot.admitted)
         first = slot.first_token_at or time.perf_counter()
         last = slot.last_token_at or first
         decode_seconds = last - first
@@ -484,6 +498,15 @@ class BatchEngine:
             token_ids=(), finish_reason=reason, prompt_tokens=len(handle.request.prompt_ids),
             timings=RequestTimings(now - submitted, 0.0, 0.0, 0.0, 0.0, 0, 0, False),
             degeneracy=check_degeneracy(()), error=error))
+
+    def _recover_device_state(self, exc: Exception) -> None:
+        """After a failed device call: if it consumed donated buffers (the cache or the sampling
+        state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
+        lost and they carry on untouched."""
+        leaves = jax.tree.leaves((self.cache, self.state, self.tokens, self.positions, self.remaining))
+        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+            log.error("device state lost in a failed call: failing the running requests")
+            self._fail_all(exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for i, slot in enumerate(self._slots):

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import datetime
 import fcntl
+import ipaddress
 import json
 import os
 import re
@@ -120,6 +121,27 @@ def _tail(path: str | Path, lines: int) -> list[str]:
             return [line.rstrip("\n") for line in collections.deque(f, maxlen=lines)]
     except FileNotFoundError:
         return []
+
+
+KEYED_RIGS = ("gemmax", "vllm")  # rigs that read an API key from their environment
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _rig_env(api_key: str | None) -> dict[str, str]:
+    """The rig's environment: ours, unbuffered output, and the API key (never an inherited one)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GEMMAX_API_KEY", "VLLM_API_KEY")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if api_key:
+        env["GEMMAX_API_KEY"] = env["VLLM_API_KEY"] = api_key
+    return env
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -268,7 +290,7 @@ class Deployments:
 
     def start(self, rig: str, model: str, port: int, host: str = "127.0.0.1", dtype: str | None = None,
               max_model_len: int | None = None, max_batch: int | None = None, name: str | None = None,
-              wait: bool = True, timeout_s: float = 600.0) -> DeploymentStatus:
+              wait: bool = True, timeout_s: float = 600.0, api_key: str | None = None) -> DeploymentStatus:
         """Start `rig` on `model` at host:port from the rig's command line; with `wait`, return once
         `/health` answers 200 (a rig that exits or stays unhealthy past `timeout_s` is stopped and
         reported with its log tail)."""
@@ -276,6 +298,12 @@ class Deployments:
             spec = get_rig(rig)
         except ValueError as exc:
             raise DeploymentError(str(exc)) from None
+        if not _loopback(host):
+            if not api_key:
+                raise DeploymentError(f"host {host!r} is not loopback: a deployment reachable from other machines "
+                                      "needs an API key (options.api_key), or bind 127.0.0.1")
+            if rig not in KEYED_RIGS:
+                raise DeploymentError(f"rig {rig!r} cannot be given an API key here: it binds loopback only")
         options = RigOptions(model=check_model(model), port=port, host=host, dtype=dtype,
                              max_model_len=max_model_len, max_batch=max_batch)
         if not spec.available():
@@ -296,7 +324,7 @@ class Deployments:
             log = self.logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(started))}.log"
             with open(log, "ab") as out:
                 process = spec.start(options, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     start_new_session=True, env=_rig_env(api_key))
             with self._lock:
                 self._children[process.pid] = process
             record = DeploymentRecord(

@@ -8,6 +8,12 @@ are pydantic models (structured output with a JSON schema). Anticipated failures
 busy port, a missing model, a server error) come back as tool errors carrying the message, never
 as a crash of the server.
 
+File arguments are confined (`confined`): a tool reads and writes only under gemmax's own state
+directory and cache directory, and refuses any other path with a message naming both; URL
+destinations (fsspec: s3://, gs://, ...) are refused unless the operator opted in (`gemmax mcp
+--allow-urls`, or GEMMAX_MCP_ALLOW_URLS=1). A deployment binds loopback unless it is given an API
+key. docs/mcp.md has the rules.
+
 Tools that touch the accelerator (`verify_device`, `fit_check`, `profile_decode`) run the CLI in a short-lived child
 process: JAX claims most of a GPU's memory in the first process that uses it, and this server must
 not hold it while the deployments it starts need it.
@@ -19,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import subprocess
 import sys
 import time
@@ -80,6 +87,43 @@ def _json_output(proc: subprocess.CompletedProcess, what: str, ok_codes: tuple[i
             pass
     tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
     raise DeploymentError(f"{what} failed (exit status {proc.returncode}):\n{tail}")
+
+
+# ------------------------------------------------------------------------------------------ confinement
+
+ALLOW_URLS_ENV = "GEMMAX_MCP_ALLOW_URLS"
+
+
+def allowed_roots() -> list[Path]:
+    """Where the tools may read and write files: gemmax's state directory and its cache directory."""
+    from gemmax.engine.compile_cache import cache_root
+
+    return [state_dir().resolve(), cache_root().resolve()]
+
+
+def confined(path: str, argument: str) -> Path:
+    """`path` resolved (symlinks followed; relative to the state directory) if it lies under an
+    allowed root; otherwise refused with a message saying where files may go."""
+    if "://" in path and not path.startswith("file://"):
+        raise ValueError(f"{argument}: {path!r} is a URL; this tool takes a local path here")
+    given = Path(path.removeprefix("file://")).expanduser()
+    resolved = (given if given.is_absolute() else state_dir() / given).resolve()
+    roots = allowed_roots()
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise ValueError(f"{argument}: {path!r} is outside gemmax's own directories; the MCP tools read and "
+                         f"write files only under {' or '.join(str(r) for r in roots)} (a relative path is "
+                         "taken under the state directory)")
+    return resolved
+
+
+def url_or_confined(location: str, argument: str) -> str:
+    """A tarball location: a URL when the operator opted in to URL destinations, else a confined path."""
+    if "://" in location and not location.startswith("file://"):
+        if os.environ.get(ALLOW_URLS_ENV) != "1":
+            raise ValueError(f"{argument}: URL destinations are off; the operator enables them with "
+                             f"`gemmax mcp --allow-urls` (or {ALLOW_URLS_ENV}=1)")
+        return location
+    return str(confined(location, argument))
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -167,7 +211,9 @@ def list_rigs() -> list[RigInfo]:
 
 
 class DeploymentOptions(BaseModel):
-    host: str = Field("127.0.0.1", description="bind address (loopback by default)")
+    host: str = Field("127.0.0.1", description="bind address: loopback unless api_key is given")
+    api_key: str | None = Field(None, description="the API key the deployment requires (gemmax, vllm); needed to "
+                                "bind anything but loopback. Not recorded on disk.")
     dtype: str | None = Field(None, description="weights/compute dtype; null: the rig's default (gemmax: device policy)")
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + completion in tokens")
     max_batch: int | None = Field(None, ge=1, description="decode slots (gemmax --max-batch, vllm --max-num-seqs)")
@@ -184,7 +230,8 @@ def start_deployment(rig: str, model: str, port: Annotated[int, Field(ge=1, le=6
     carries its log tail. MODEL is a local checkpoint directory (or .gguf for gemmax) or a hub id."""
     o = options or DeploymentOptions()
     return deployments().start(rig, model, port, host=o.host, dtype=o.dtype, max_model_len=o.max_model_len,
-                               max_batch=o.max_batch, name=o.name, wait=o.wait, timeout_s=o.timeout_s)
+                               max_batch=o.max_batch, name=o.name, wait=o.wait, timeout_s=o.timeout_s,
+                               api_key=o.api_key)
 
 
 def stop_deployment(name: str, timeout_s: Annotated[float, Field(gt=0)] = 30.0) -> StopResult:
@@ -295,6 +342,8 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
     from gemmax.bench.report import summary_line, write_json
     from gemmax.bench.sweep import Sweep, SweepConfig
 
+    if out:
+        confined(out, "out")  # refused before the sweep runs, not after
     record = deployments().get(deployment)
     given = {"input_lens": input_lens, "output_len": output_len, "repeats": repeats, "concurrency": concurrency,
              "request_rates": request_rates, "num_prompts": num_prompts, "decode_source": decode_source,
@@ -302,7 +351,7 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
     config = SweepConfig(base_url=record.base_url, label=label or record.name,
                          **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     result = await Sweep(config).run()
-    path = Path(out) if out else state_dir() / "results" / f"{record.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = confined(out, "out") if out else state_dir() / "results" / f"{record.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(result, path)
     server = result["server"]
     return SweepSummary(path=str(path), label=result["label"], model=result["model"],
@@ -320,7 +369,7 @@ def compare_results(files: Annotated[list[str], Field(min_length=2)]) -> Compari
     from gemmax.bench.compare import compare_runs, to_markdown
     from gemmax.bench.report import load_run
 
-    comparison = compare_runs([load_run(Path(f)) for f in files])
+    comparison = compare_runs([load_run(confined(f, "files")) for f in files])
     return Comparison(columns=comparison.columns, rows=comparison.rows, notes=comparison.notes,
                       markdown=to_markdown(comparison))
 
@@ -334,7 +383,7 @@ def profile_decode(model: str, steps: Annotated[int, Field(ge=1)] = 20, warmup: 
     step, tokens/s and the share of the bandwidth roofline. random_weights reads only config.json.
     Writes the trace and profile.json under OUT (default: under the state directory). Runs in its own
     process, on the device a deployment may be using: profile before starting one, or on a spare device."""
-    out_dir = Path(out) if out else state_dir() / "profiles" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir = confined(out, "out") if out else state_dir() / "profiles" / time.strftime("%Y%m%d-%H%M%S")
     args = ["profile", "--model", model, "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
             "--context", str(context), "--dtype", dtype, "--layout", layout, "--out", str(out_dir)]
     if random_weights:
@@ -349,10 +398,12 @@ def profile_decode(model: str, steps: Annotated[int, Field(ge=1)] = 20, warmup: 
 
 def compile_cache_export(dest: str, cache_dir: str | None = None) -> CacheTransfer:
     """Pack JAX's persistent compilation cache (default: the user cache dir) into a .tar.gz at DEST: a
-    local path, or any fsspec URL (s3://, gs://, ...) when that filesystem's package is installed."""
+    path under gemmax's state or cache directory, or (when the operator allowed URLs) any fsspec URL
+    (s3://, gs://, ...) whose filesystem package is installed."""
     from gemmax.engine.compile_cache import default_cache_dir, export_cache
 
-    written = export_cache(dest, cache_dir)
+    source = confined(cache_dir, "cache_dir") if cache_dir else default_cache_dir()
+    written = export_cache(url_or_confined(dest, "dest"), source)
     return CacheTransfer(url=dest, cache_dir=str(cache_dir or default_cache_dir()), bytes_written=written)
 
 
@@ -361,7 +412,8 @@ def compile_cache_import(src: str, cache_dir: str | None = None) -> CacheTransfe
     cache, so the next start skips XLA compilation."""
     from gemmax.engine.compile_cache import default_cache_dir, import_cache
 
-    restored = import_cache(src, cache_dir)
+    target = confined(cache_dir, "cache_dir") if cache_dir else default_cache_dir()
+    restored = import_cache(url_or_confined(src, "src"), target)
     return CacheTransfer(url=src, cache_dir=str(cache_dir or default_cache_dir()), files_restored=restored)
 
 
@@ -405,8 +457,11 @@ def build_server() -> MCPServer:
     return server
 
 
-def run(transport: Literal["stdio", "http"] = "stdio", host: str = "127.0.0.1", port: int = 8765) -> None:
+def run(transport: Literal["stdio", "http"] = "stdio", host: str = "127.0.0.1", port: int = 8765,
+        allow_urls: bool = False) -> None:
     """Serve over stdio, or streamable HTTP at http://HOST:PORT/mcp."""
+    if allow_urls:
+        os.environ[ALLOW_URLS_ENV] = "1"
     server = build_server()
     if transport == "stdio":
         server.run("stdio")

@@ -6,9 +6,13 @@ engine. It may be created before the model exists (`engine=None`): `gemmax serve
 200 when the engine reports ready (warm-up done).
 
 Request bodies are read and validated here (not by FastAPI's body parameters) so every failure is a
-400 in the OpenAI error shape with a plain message, never a 422 with pydantic's internals. A pure
-ASGI middleware in front checks the API key (constant-time compare; every route but /health and
-/metrics), refuses oversized bodies (413) and counts every request by endpoint and final status.
+400 in the OpenAI error shape with a plain message, never a 422 with pydantic's internals; a JSON
+route refuses any other Content-Type (415: a browser's cross-origin "simple" POST is text/plain). The
+engine checks every value it receives and raises typed errors (`gemmax.engine.api`); they are mapped
+to HTTP in one place (`generation.engine_error`). A pure ASGI middleware in front checks the Host
+header on a loopback bind (DNS rebinding), the API key (constant-time compare, scheme in any case,
+exactly one Authorization header; every route but /health and /metrics), refuses oversized bodies
+(413) and counts every request by endpoint and final status. docs/server.md has the threat model.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import hmac
+import ipaddress
 import logging
 import subprocess
 import time
@@ -32,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import gemmax
+from gemmax.engine.api import InvalidRequest, check_token_ids
 from gemmax.server.detokenize import TokenTable
 from gemmax.server.generation import (
     STATUS_KEY,
@@ -41,6 +47,7 @@ from gemmax.server.generation import (
     chat_prompt,
     collect,
     completion_prompts,
+    engine_error,
     stream,
 )
 from gemmax.server.metrics import ServerMetrics
@@ -55,9 +62,19 @@ from gemmax.server.protocol import (
 
 log = logging.getLogger("gemmax.server")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                       "/health", "/metrics", "/version"})
+                       "/health", "/metrics", "/version", "/openapi.json"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +85,9 @@ class ServerSettings:
     on_degenerate: Literal["flag", "error"] = "flag"
     max_body_bytes: int = 16 * 2**20
     drain_timeout: float = 30.0  # seconds the engine may finish in-flight requests at shutdown
+    host: str = "127.0.0.1"  # the bind address: on a loopback bind the Host header must name loopback
+    allowed_hosts: tuple[str, ...] = ()  # further Host names accepted on a loopback bind
+    max_choices: int = 64  # prompts x n per call (each is an engine request)
 
 
 @functools.cache
@@ -215,14 +235,44 @@ class GuardMiddleware:
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
         key = state.settings.api_key
-        self._key = f"Bearer {key}".encode() if key else None
+        self._key = key.encode() if key else None
+        settings = state.settings
+        self._hosts = (LOOPBACK_NAMES | {h.lower() for h in settings.allowed_hosts}
+                       if is_loopback(settings.host) else None)
+
+    def _host_refused(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """On a loopback bind, a Host that names anything but loopback is a page reached through DNS
+        rebinding (or a misdirected request): refused. Any host passes on other binds."""
+        if self._hosts is None:
+            return None
+        hosts = [v.decode("latin-1") for k, v in headers if k == b"host"]
+        if not hosts:
+            return None
+        host = hosts[0].strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            name = host[: host.find("]") + 1]
+        else:
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        if len(hosts) > 1 or (name not in self._hosts and not name.endswith(".localhost")):
+            return hosts[0]
+        return None
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Exactly one Authorization header, scheme `Bearer` in any case, the key compared in
+        constant time."""
+        values = [v for k, v in headers if k == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].strip().partition(b" ")
+        return hmac.compare_digest(scheme.lower() + b" " + token.strip(), b"bearer " + self._key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
-        headers = dict(scope["headers"])
+        raw_headers = scope["headers"]
+        headers = dict(raw_headers)
         seen: dict[str, Any] = {}
 
         async def send_counted(message):
@@ -231,10 +281,16 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if self._key is not None and path not in OPEN_PATHS and not hmac.compare_digest(
-                    headers.get(b"authorization", b""), self._key):
-                response = _json_error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                       "authentication_error", "invalid_api_key")
+            refused_host = self._host_refused(raw_headers)
+            if refused_host is not None:
+                response = _json_error(400, f"Host {refused_host!r} is not served here: this server is bound to "
+                                       "loopback and answers only requests addressed to localhost (DNS rebinding "
+                                       "defence; add names with --allowed-host)", "invalid_request_error",
+                                       "invalid_host")
+                return await response(scope, receive, send_counted)
+            if self._key is not None and path not in OPEN_PATHS and not self._authorized(raw_headers):
+                response = _json_error(401, "invalid or missing API key (send exactly one 'Authorization: Bearer "
+                                       "<key>' header)", "authentication_error", "invalid_api_key")
                 return await response(scope, receive, send_counted)
             length = headers.get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > self.state.settings.max_body_bytes):
@@ -266,7 +322,12 @@ class EventStream(StreamingResponse):
 
 
 async def _read(request: Request, model: type[BaseModel], limit: int) -> Any:
-    """Body -> validated model; 413 over the limit (chunked bodies too), 400 for anything invalid."""
+    """Body -> validated model; 415 unless the body is declared JSON, 413 over the limit (chunked
+    bodies too), 400 for anything invalid."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json (got {media or 'none'!r})",
+                       "invalid_request_error", "unsupported_media_type")
     body = bytearray()
     async for part in request.stream():
         body += part
@@ -300,14 +361,21 @@ def create_app(engine=None, tokenizer=None, settings: ServerSettings | None = No
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown, settings.drain_timeout)
 
-    app = FastAPI(title="gemmax", version=gemmax.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="gemmax", version=gemmax.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gemmax = state
     app.add_middleware(GuardMiddleware, state=state)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _json_error(exc.status, exc.message, exc.type, exc.code, exc.param)
+        response = _json_error(exc.status, exc.message, exc.type, exc.code, exc.param)
+        response.headers.update(exc.headers or {})
+        if exc.status == 500:  # a fault: the client must not reuse this connection
+            response.headers["Connection"] = "close"
+        return response
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_request: Request, exc: InvalidRequest) -> JSONResponse:
+        return await _api_error(_request, engine_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -324,17 +392,25 @@ def create_app(engine=None, tokenizer=None, settings: ServerSettings | None = No
 
     @app.exception_handler(Exception)
     async def _fault(_request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises after this response, so uvicorn logs the traceback; the server goes on.
-        return _json_error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+        # Starlette re-raises after this response, so uvicorn logs the traceback and drops the
+        # connection; `Connection: close` tells the client not to reuse it. The server goes on.
+        response = _json_error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+        response.headers["Connection"] = "close"
+        return response
 
     async def generate(request: Request, kind: str, body: ChatCompletionRequest | CompletionRequest):
         state.check_model(body.model)
         engine = state.require_ready()
+        count = (1 if kind == "chat" else len(body.prompt)) * body.n
+        if count > settings.max_choices:
+            raise bad_request(f"this request asks for {count} completions ({count // body.n} prompts x n={body.n}); "
+                              f"this server allows at most {settings.max_choices} per request", "n",
+                              "too_many_completions")
         if kind == "chat":
             prompts = [chat_prompt(state.tokenizer, body.messages, body.add_generation_prompt,
                                    body.continue_final_message, body.tools, body.chat_template_kwargs)]
         else:
-            prompts = completion_prompts(state.tokenizer, body)
+            prompts = completion_prompts(state.tokenizer, body, state.vocab_size)
         job = Job(state, kind, body, prompts, request.scope)
         job.submit(engine, asyncio.get_running_loop(), state.tokenizer, state.table)
         if body.stream:
@@ -362,11 +438,16 @@ def create_app(engine=None, tokenizer=None, settings: ServerSettings | None = No
             job.close()
             state.finish(job, status)
 
-    @app.post("/v1/chat/completions")
+    def body_of(model: type[BaseModel]) -> dict[str, Any]:
+        """OpenAPI requestBody for a route that reads its body itself (served at /openapi.json)."""
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    @app.post("/v1/chat/completions", openapi_extra=body_of(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await generate(request, "chat", await _read(request, ChatCompletionRequest, settings.max_body_bytes))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_of(CompletionRequest))
     async def completions(request: Request):
         return await generate(request, "completion", await _read(request, CompletionRequest, settings.max_body_bytes))
 
@@ -386,7 +467,7 @@ def create_app(engine=None, tokenizer=None, settings: ServerSettings | None = No
                 "max_model_len": engine.max_model_len, "vocab_size": state.vocab_size, "permission": []}
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_of(TokenizeRequest))
     async def tokenize(request: Request):
         body = await _read(request, TokenizeRequest, settings.max_body_bytes)
         state.check_model(body.model)
@@ -402,21 +483,35 @@ def create_app(engine=None, tokenizer=None, settings: ServerSettings | None = No
         strs = [state.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_of(DetokenizeRequest))
     async def detokenize(request: Request):
         body = await _read(request, DetokenizeRequest, settings.max_body_bytes)
         state.check_model(body.model)
         state.require_ready()
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer")
-        vocab = state.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"token ids must lie in 0..{vocab - 1}", "tokens")
+        check_token_ids("tokens", body.tokens, state.vocab_size)
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models the routes validate themselves."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+                definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(definition.pop("$defs", {}))
+                components[model.__name__] = definition
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     return app
 

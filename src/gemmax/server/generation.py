@@ -27,10 +27,12 @@ from gemmax.engine.api import (
     EngineNotReady,
     GenerationRequest,
     GenerationResult,
-    PromptTooLong,
+    InvalidRequest,
+    QueueFull,
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    check_token_ids,
 )
 from gemmax.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from gemmax.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -45,14 +47,32 @@ class ApiError(Exception):
     """An error answered in the OpenAI shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.code = code or type_
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def engine_error(exc: Exception, renames: dict[str, str] | None = None) -> ApiError | None:
+    """The one mapping of the engine's typed refusals to HTTP (None: not one of them). `renames`
+    maps the engine's parameter names to the endpoint's (chat: prompt -> messages, ...)."""
+    if isinstance(exc, InvalidRequest):
+        param = (renames or {}).get(exc.param, exc.param)
+        message = str(exc)
+        if param != exc.param and message.startswith(f"{exc.param}: "):
+            message = f"{param}: " + message.removeprefix(f"{exc.param}: ")
+        return ApiError(exc.status, message, "invalid_request_error", exc.code, param)
+    if isinstance(exc, QueueFull):
+        return ApiError(503, str(exc), "service_unavailable", "queue_full",
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineNotReady):
+        return ApiError(503, f"engine is not accepting requests: {exc}", "service_unavailable", "engine_not_ready")
+    return None
 
 
 @dataclasses.dataclass
@@ -70,6 +90,10 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_promp
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: use /v1/completions with token ids", "messages")
     plain = [m.model_dump(exclude_none=True) for m in messages]
+    if not plain:
+        raise bad_request("messages must not be empty", "messages")
+    if continue_final_message and plain[-1].get("role") != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message", "messages")
     kwargs = dict(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
@@ -89,7 +113,7 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_promp
     return Prompt(tokenizer.encode(text, add_bos=False), text)
 
 
-def completion_prompts(tokenizer, request: CompletionRequest) -> list[Prompt]:
+def completion_prompts(tokenizer, request: CompletionRequest, vocab_size: int | None) -> list[Prompt]:
     prompts = []
     for item in request.prompt:
         if isinstance(item, str):
@@ -97,16 +121,19 @@ def completion_prompts(tokenizer, request: CompletionRequest) -> list[Prompt]:
                 raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
             prompts.append(Prompt(tokenizer.encode(item, add_bos=request.add_special_tokens), item))
         else:
+            if vocab_size is not None:  # the engine's range check, before anything decodes the ids
+                check_token_ids("prompt", item, vocab_size)
             text = tokenizer.decode(item, skip_special_tokens=False) if tokenizer is not None else None
             prompts.append(Prompt(list(item), text))
     return prompts
 
 
 def sampling_params(request: SamplingFields, seed: int | None) -> SamplingParams:
-    """OpenAI defaults for what the request leaves out: temperature 1, everything else off."""
+    """OpenAI defaults for what the request leaves out: temperature 1, everything else off. Values
+    go to the engine as given: it checks their bounds."""
     return SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
-        top_k=max(request.top_k or 0, 0),
+        top_k=0 if request.top_k in (None, -1) else request.top_k,  # -1: off, as 0
         top_p=1.0 if request.top_p is None else request.top_p,
         min_p=request.min_p or 0.0,
         seed=seed,
@@ -195,40 +222,32 @@ class Job:
         self.choices: list[Choice] = []
         self._pumps: list[asyncio.Task] = []
 
-    def check_lengths(self, max_model_len: int, vocab_size: int | None) -> list[int]:
-        """Per-prompt max_tokens; 400 with the arithmetic when a prompt does not fit."""
-        limits = []
-        for prompt in self.prompts:
-            if not prompt.ids:
-                raise bad_request("prompt is empty", "prompt")
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt.ids):
-                bad = next(t for t in prompt.ids if not 0 <= t < vocab_size)
-                raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
-            n = len(prompt.ids)
-            if n + 1 > max_model_len:
-                raise ApiError(400, str(PromptTooLong(n, max_model_len)), code="context_length_exceeded",
-                               param="messages" if self.kind == "chat" else "prompt")
-            wanted = self.request.requested_max_tokens
-            if wanted is not None and n + wanted > max_model_len:
-                raise ApiError(400, f"this model's max_model_len is {max_model_len} tokens, but the request "
-                               f"needs {n + wanted} ({n} in the prompt, {wanted} in the completion): lower "
-                               "max_tokens or shorten the prompt", code="context_length_exceeded",
-                               param="max_tokens")
-            limits.append(wanted if wanted is not None else max_model_len - n)
-        return limits
+    @property
+    def renames(self) -> dict[str, str]:
+        """The engine's parameter names as this endpoint calls them."""
+        if self.kind != "chat":
+            return {}
+        renames = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if self.request.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
 
     def submit(self, engine, loop: asyncio.AbstractEventLoop, tokenizer, table) -> None:
+        """One engine request per prompt and choice; the engine validates each (and may refuse one
+        when its queue is full): then the ones already queued are cancelled and the refusal is
+        answered."""
         req = self.request
-        limits = self.check_lengths(engine.max_model_len, self.state.vocab_size)
+        wanted = req.requested_max_tokens
         stop_ids = tuple(req.stop_token_ids or ())
         try:
-            for p, (prompt, max_tokens) in enumerate(zip(self.prompts, limits, strict=True)):
+            for p, prompt in enumerate(self.prompts):
+                room = max(engine.max_model_len - len(prompt.ids), 1)
                 for j in range(req.n):
                     seed = None if req.seed is None else req.seed + j
                     gen = GenerationRequest(
-                        prompt_ids=tuple(prompt.ids), max_tokens=max_tokens, sampling=sampling_params(req, seed),
-                        stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-                        logprobs=req.engine_logprobs,
+                        prompt_ids=tuple(prompt.ids), max_tokens=room if wanted is None else wanted,
+                        sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                        min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
                     )
                     handle = engine.submit(gen, loop)
                     self.choices.append(Choice(
@@ -239,13 +258,9 @@ class Job:
                     ))
         except BaseException as exc:
             self.close()
-            if isinstance(exc, PromptTooLong):
-                raise ApiError(400, str(exc), code="context_length_exceeded", param="prompt") from exc
-            if isinstance(exc, EngineNotReady):
-                raise ApiError(503, f"engine is not accepting requests: {exc}", "service_unavailable",
-                               "engine_not_ready") from exc
-            if isinstance(exc, ValueError):  # the engine refused the request itself (e.g. a token id)
-                raise bad_request(f"the engine refused the request: {exc}", "prompt") from exc
+            mapped = engine_error(exc, self.renames) if isinstance(exc, Exception) else None
+            if mapped is not None:
+                raise mapped from exc
             raise
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """Request and response shapes of the OpenAI-compatible API, as vLLM serves them.
 
 Requests are pydantic models with `extra="allow"`: vLLM tolerates fields it does not know, and so do
-we (clients send `user`, `metadata`, ... freely). Fields that would change the output but are not
+we (clients send `user`, `metadata`, ... freely). Types are strict (`"stream": "yes"` is a 400, not
+true; `"top_k": 1.5` is a 400, not 1). These models check the API's shapes only: the bounds of every
+value the engine receives are checked by the engine (`gemmax.engine.api.validate_request`), once. Fields that would change the output but are not
 implemented here (`logit_bias`, `suffix`, structured `response_format`, forced tool calls) are
 refused with a 400 rather than silently ignored. Union-typed fields are checked by validators that
 raise one plain message, so a validation error never reaches the client as a list of pydantic
@@ -17,14 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gemmax.engine.api import MAX_LOGPROBS
-
 MAX_N = 64  # choices per request (each one is an engine request)
-INT64 = 2**63
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -35,21 +34,21 @@ class SamplingFields(_Lenient):
     """Parameters shared by /v1/completions and /v1/chat/completions (vLLM's sampling extras included)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 and 0 switch it off
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 and 0 switch it off
+    min_p: float | None = None
+    seed: int | None = None
     stop: Any = Field(None, validate_default=True)  # str | list[str] -> list[str]; checked below
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -75,9 +74,6 @@ class SamplingFields(_Lenient):
             raise ValueError("logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
-        max_tokens = self.requested_max_tokens
-        if max_tokens is not None and self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})")
         return self
 
     @property
@@ -118,9 +114,9 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -153,7 +149,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]; checked below
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
     suffix: str | None = None

@@ -10,13 +10,14 @@ the app's shutdown drains and stops the engine, and the process exits with statu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from gemmax.server.app import ServerSettings, create_app
+from gemmax.server.app import ServerSettings, create_app, is_loopback
 
 log = logging.getLogger("gemmax.server")
 
@@ -26,6 +27,10 @@ def serve(load: Callable[[], tuple[Any, Any]], settings: ServerSettings, host: s
     """`load() -> (engine, tokenizer)`; returns the process exit status."""
     import uvicorn
 
+    settings = dataclasses.replace(settings, host=host)
+    if not is_loopback(host) and not settings.api_key:
+        log.warning("serving on %s without an API key: anyone who can reach this address can use the model "
+                    "(set --api-key or GEMMAX_API_KEY; docs/server.md, threat model)", host)
     app = create_app(None, None, settings)
     state = app.state.gemmax
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
