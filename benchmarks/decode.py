@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -55,29 +56,23 @@ def gemmax_step_runner(loaded, batch: int, context: int):
     import jax
     import jax.numpy as jnp
 
-    from gemmax.engine.sampling import SamplingState
     from gemmax.engine.shapes import kv_buckets
-    from gemmax.engine.steps import decode_step
-    from gemmax.model.kv_cache import init_cache
+    from gemmax.engine.steps import decode_step, init_device_state
 
     config, precision = loaded.checkpoint.config, loaded.policy.precision()
-    state = {
-        "cache": init_cache(config, batch, context + 4096, precision.kv_cache),
-        "sampling": SamplingState.empty(batch, config.vocab_size),
-        "tokens": jnp.full(batch, 5, jnp.int32),
-        "positions": jnp.full(batch, context, jnp.int32),
-    }
-    remaining = jnp.full(batch, 1 << 30, jnp.int32)
+    device = init_device_state(config, batch, context + 4096, precision)
+    state = {"device": dataclasses.replace(device, tokens=jnp.full(batch, 5, jnp.int32),
+                                           positions=jnp.full(batch, context, jnp.int32),
+                                           remaining=jnp.full(batch, 1 << 30, jnp.int32))}
     want = jnp.zeros(batch, jnp.bool_)
     kv_len = next(b for b in kv_buckets(context + 4096) if b > context)  # as the engine picks it
 
     def run(steps: int) -> None:
         for _ in range(steps):
-            cache, sampling, tokens, _, _, _ = decode_step(
-                loaded.checkpoint.params, state["cache"], state["sampling"], state["tokens"], state["positions"],
-                remaining, want, config=config, precision=precision, kv_len=kv_len)
-            state.update(cache=cache, sampling=sampling, tokens=tokens)  # same context every step
-        jax.block_until_ready(state["tokens"])
+            device, _ = decode_step(loaded.checkpoint.params, state["device"], want, config=config,
+                                    precision=precision, kv_len=kv_len)
+            state["device"] = dataclasses.replace(device, positions=device.positions - 1)  # same context every step
+        jax.block_until_ready(state["device"].tokens)
 
     return run
 

@@ -26,6 +26,7 @@ Prints markdown tables and, last, one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -38,8 +39,7 @@ import numpy as np
 from gemmax import quant as Q
 from gemmax.engine.fastpath import column_blocks, prepare_params, split_columns
 from gemmax.engine.policy import device_policy
-from gemmax.engine.sampling import SamplingState
-from gemmax.engine.steps import decode_step
+from gemmax.engine.steps import decode_step, init_device_state
 from gemmax.model.config import E2B_SIX_LAYER_CONFIG, E2B_TEXT_CONFIG, ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache
@@ -101,17 +101,16 @@ def quality(logits: np.ndarray, reference: np.ndarray, targets: list[int] | None
 def decode_tok_s(params, config: ModelConfig, kv_dtype, steps: int, repeats: int, context: int) -> float:
     """Batch-1 decode steps/s through the engine's decode_step at a fixed context."""
     precision = Precision(jnp.float32, kv_dtype)
-    state = {"cache": init_cache(config, 1, context + 8, kv_dtype), "sampling": SamplingState.empty(1, config.vocab_size),
-             "tokens": jnp.full(1, 5, jnp.int32)}
-    positions, remaining, want = jnp.full(1, context, jnp.int32), jnp.full(1, 1 << 30, jnp.int32), jnp.zeros(1, jnp.bool_)
+    device = dataclasses.replace(init_device_state(config, 1, context + 8, precision), tokens=jnp.full(1, 5, jnp.int32),
+                                 positions=jnp.full(1, context, jnp.int32), remaining=jnp.full(1, 1 << 30, jnp.int32))
+    state, want = {"device": device}, jnp.zeros(1, jnp.bool_)
 
     def run(n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
-            cache, sampling, tokens, _, _, _ = decode_step(params, state["cache"], state["sampling"], state["tokens"],
-                                                           positions, remaining, want, config=config, precision=precision)
-            state.update(cache=cache, sampling=sampling, tokens=tokens)
-        jax.block_until_ready(state["tokens"])
+            device, _ = decode_step(params, state["device"], want, config=config, precision=precision)
+            state["device"] = dataclasses.replace(device, positions=device.positions - 1)  # same context
+        jax.block_until_ready(state["device"].tokens)
         return (time.perf_counter() - t0) / n
 
     run(2)

@@ -306,7 +306,7 @@ def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
     eng = BatchEngine(loaded, max_model_len=600, max_batch=2, buckets=(16, 128), steps_per_dispatch=4).start()
     try:
         assert eng.wait_ready(300)
-        assert eng.kv_buckets == (256, 600)
+        assert eng.shapes.kv_buckets == (256, 600)
         prompts = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (300, 250)]
         handles = [eng.submit(GenerationRequest(p, 20, ignore_eos=True)) for p in prompts]
         for prompt, handle in zip(prompts, handles, strict=True):
@@ -323,24 +323,20 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
     of the unbounded step."""
     import jax
 
-    from gemmax.engine.sampling import SamplingState
-    from gemmax.engine.steps import decode_rows
-    from gemmax.model.kv_cache import init_cache
+    from gemmax.engine.steps import decode_rows, init_device_state
 
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
     assert config.sliding_window == 4
     rows, results = jnp.asarray([1, 2], jnp.int32), {}
     for kv_len in (None, 3):
-        cache = init_cache(config, 4, 64, precision.kv_cache)
-        state, want = SamplingState.empty(4, config.vocab_size), jnp.zeros(4, jnp.bool_)
-        tokens, positions, remaining = jnp.asarray([5, 7, 9, 11]), jnp.zeros(4, jnp.int32), jnp.full(4, 8, jnp.int32)
+        device = init_device_state(config, 4, 64, precision)
+        device = dataclasses.replace(device, tokens=jnp.asarray([5, 7, 9, 11]), remaining=jnp.full(4, 8, jnp.int32))
+        want = jnp.zeros(4, jnp.bool_)
         outs = []
         for _ in range(3):  # positions 0, 1, 2: kv_len 3 covers them all
-            cache, state, tokens, positions, remaining, out = decode_rows(
-                params, cache, state, tokens, positions, remaining, want, rows, config=config, precision=precision,
-                kv_len=kv_len)
+            device, out = decode_rows(params, device, want, rows, config=config, precision=precision, kv_len=kv_len)
             outs.append(jax.device_get(out[:2]))
-        results[kv_len] = (outs, jax.device_get(cache))
+        results[kv_len] = (outs, jax.device_get(device.cache))
     (outs_all, cache_all), (outs_bound, cache_bound) = results[None], results[3]
     for (ids_a, lp_a), (ids_b, lp_b) in zip(outs_all, outs_bound, strict=True):
         assert np.array_equal(ids_a, ids_b) and np.allclose(lp_a, lp_b, atol=1e-5)

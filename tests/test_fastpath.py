@@ -198,15 +198,13 @@ def test_batched_decode_reads_no_weight_copies(six_layers):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
     """The program the serving engine really runs (sampling included) reads every matrix fast."""
-    from gemmax.engine.sampling import SamplingState
-    from gemmax.engine.steps import decode_step
+    from gemmax.engine.steps import decode_step, init_device_state
 
     config, _, params = six_layers
     precision = CPU.precision()
-    cache = jax.eval_shape(lambda: init_cache(config, batch, 1024, precision.kv_cache))
-    state = jax.eval_shape(lambda: SamplingState.empty(batch, config.vocab_size))
-    ints = [jax.ShapeDtypeStruct((batch,), jnp.int32)] * 3
-    hlo = decode_step.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), config=config,
+    device = jax.eval_shape(lambda: init_device_state(config, batch, 1024, precision))
+    cache = device.cache
+    hlo = decode_step.lower(params, device, jax.ShapeDtypeStruct((batch,), jnp.bool_), config=config,
                             precision=precision, kv_len=256).compile().as_text()
     assert check_decode_hlo(hlo, batch) == []
     assert GEMV in decode_weight_reads(hlo)["params['embed']"] or batch > 1
@@ -216,15 +214,13 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
 
 def test_engine_small_group_decode_gets_the_fast_path(six_layers):
     """decode_rows (one active request among 8 slots) gathers its rows and still reads every matrix fast."""
-    from gemmax.engine.sampling import SamplingState
-    from gemmax.engine.steps import decode_rows
+    from gemmax.engine.steps import decode_rows, init_device_state
 
     config, _, params = six_layers
     precision = CPU.precision()
-    cache = jax.eval_shape(lambda: init_cache(config, 8, 1024, precision.kv_cache))
-    state = jax.eval_shape(lambda: SamplingState.empty(8, config.vocab_size))
-    ints = [jax.ShapeDtypeStruct((8,), jnp.int32)] * 3
-    hlo = decode_rows.lower(params, cache, state, *ints, jax.ShapeDtypeStruct((8,), jnp.bool_),
+    device = jax.eval_shape(lambda: init_device_state(config, 8, 1024, precision))
+    cache = device.cache
+    hlo = decode_rows.lower(params, device, jax.ShapeDtypeStruct((8,), jnp.bool_),
                             jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
                             precision=precision, kv_len=256).compile().as_text()
     assert check_decode_hlo(hlo, 1) == []

@@ -199,3 +199,35 @@ def test_decode_traffic_counts_what_a_step_reads(e2b):
 def test_measure_read_bandwidth_is_a_plausible_rate():
     gbps = measure_read_bandwidth(size_mib=64, repeats=3)
     assert 0.5 < gbps < 2000
+
+
+# Gemma 3 1B's text config (as transformers writes it): 26 layers, 5 sliding to 1 full, one KV head.
+GEMMA3_1B_CONFIG = {
+    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+    "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "sliding_window": 512, "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "rope_theta": 1e6,
+    "rope_local_base_freq": 1e4, "rms_norm_eps": 1e-6, "sliding_window_pattern": 6, "bos_token_id": 2,
+    "eos_token_id": 1, "pad_token_id": 0,
+}
+
+
+@pytest.mark.parametrize(("hf", "kv_dtype"), [
+    (E2B_TEXT_CONFIG, "bfloat16"),  # KV sharing: 20 of 35 layers read a donor's cache
+    ({**E2B_TEXT_CONFIG, "num_kv_shared_layers": 0}, "float32"),  # every layer stores its own
+    (GEMMA3_1B_CONFIG, "bfloat16"),
+], ids=["e2b", "e2b-no-sharing", "gemma3-1b"])
+def test_fit_counts_the_kv_bytes_the_engine_allocates(hf, kv_dtype, tmp_path):
+    """`gemmax fit`'s KV-cache figure is the byte count of the device state the engine allocates
+    (`steps.init_device_state`, shapes only) for the same max_model_len, slots and KV dtype."""
+    from gemmax.engine.steps import init_device_state
+
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    max_len, slots = 3000, 3
+    out = CliRunner().invoke(app, ["fit", "--model", str(tmp_path), "--max-model-len", str(max_len), "--max-batch",
+                                   str(slots), "--device-memory-gib", "1000", "--kv-dtype", kv_dtype, "--json"])
+    assert out.exit_code == 0, out.output
+    plan = json.loads(out.output)
+    config = ModelConfig.from_hf_config(hf)
+    device = jax.eval_shape(lambda: init_device_state(config, slots, max_len, Precision(jnp.float32, jnp.dtype(kv_dtype))))
+    allocated = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(device.cache))
+    assert plan["kv_cache"] == allocated and plan["kv_dtype"] == kv_dtype

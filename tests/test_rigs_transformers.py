@@ -157,6 +157,13 @@ def test_bad_requests_get_openai_errors(client, rig):
     response = httpx.post(rig[1] + "/tokenize", json={"prompt": "hello"})
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    # The server's own request models: what the rig cannot honour is refused, not ignored.
+    with pytest.raises(openai.BadRequestError, match="one choice per request"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="top_k is not supported"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"top_k": 5})
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"stream": "yes"})
 
 
 def test_health_models_and_precision(checkpoint, rig):

@@ -49,12 +49,18 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
-from gemmax.engine.sampling import SamplingState, row_values
-from gemmax.engine.shapes import kv_buckets, plan_chunks, prefill_buckets, prefill_shapes
-from gemmax.engine.steps import decode_rows, decode_step, prefill_step, set_sampling_row
+from gemmax.engine.sampling import row_values
+from gemmax.engine.shapes import ShapePlan, plan_chunks
+from gemmax.engine.steps import (
+    DeviceState,
+    decode_rows,
+    decode_step,
+    init_device_state,
+    prefill_step,
+    set_sampling_row,
+)
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
-from gemmax.model.kv_cache import init_cache
 
 log = logging.getLogger("gemmax.engine")
 
@@ -89,17 +95,16 @@ class BatchEngine:
         self.precision: Precision = policy.precision()
         self._max_model_len = max_model_len
         self.max_batch = max_batch
-        self.buckets = prefill_buckets(max_model_len, buckets or loaded.policy.prefill_buckets)
+        self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or loaded.policy.prefill_buckets)
         # Refuse at start-up, with the arithmetic, a deployment that cannot fit the device.
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
-            prefill_tokens=self.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
+            prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
         self.params = loaded.checkpoint.params
         self.steps_per_dispatch = steps_per_dispatch
-        # Compiled decode group sizes: powers of two below the slot count, and the full batch.
-        self.decode_groups = tuple(g for g in (1, 2, 4, 8, 16, 32, 64) if g < max_batch) + (max_batch,)
-        self.kv_buckets = kv_buckets(max_model_len)
+        self.device: DeviceState | None = None  # allocated by warm-up
+        self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()
@@ -139,7 +144,7 @@ class BatchEngine:
         return info
 
     def _describe(self) -> dict[str, Any]:
-        policy = self.loaded.policy.observed(self.params, getattr(self, "cache", None))
+        policy = self.loaded.policy.observed(self.params, None if self.device is None else self.device.cache)
         return {
             "model": self.loaded.name,
             "family": self.config.family,
@@ -153,10 +158,10 @@ class BatchEngine:
             "memory_plan": self.memory_plan.as_dict(),
             "max_model_len": self.max_model_len,
             "max_batch": self.max_batch,
-            "prefill_buckets": list(self.buckets),
+            "prefill_buckets": list(self.shapes.buckets),
             "steps_per_dispatch": self.steps_per_dispatch,
-            "decode_groups": list(self.decode_groups),
-            "kv_buckets": list(self.kv_buckets),
+            "decode_groups": list(self.shapes.decode_groups),
+            "kv_buckets": list(self.shapes.kv_buckets),
             "warmup": self.warmup_report,
         }
 
@@ -225,13 +230,8 @@ class BatchEngine:
         self._loop()
 
     def _init_device_state(self) -> None:
-        B = self.max_batch
-        self.cache = init_cache(self.config, B, self.max_model_len, self.precision.kv_cache)
-        self.state = SamplingState.empty(B, self.config.vocab_size)
-        self.tokens = jnp.zeros(B, jnp.int32)
-        self.positions = jnp.zeros(B, jnp.int32)
-        self.remaining = jnp.zeros(B, jnp.int32)
-        self.want_logprobs = np.zeros(B, np.bool_)
+        self.device = init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
+        self.want_logprobs[:] = False
 
     def _warm_up(self) -> None:
         """Run one throwaway request per prefill bucket through the real admission and decode path, so
@@ -243,22 +243,20 @@ class BatchEngine:
             self._throwaway_requests()
             # Later chunks start past 0 and may read a larger KV bucket: compile every (bucket, KV bound)
             # pair a prompt can need, each with a 1-token dummy chunk.
-            prefills = prefill_shapes(self.buckets, self.max_model_len, self._kv_bound)
+            prefills = self.shapes.prefill_shapes()
             for (bucket, _), start in prefills.items():
                 if start:
                     self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
-            for size in self.decode_groups:  # every group x KV-length shape, all rows idle (nothing written)
-                for kv_len in self.kv_buckets:
-                    self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32),
-                                          kv_len)
+            for size, kv_len in self.shapes.decode_shapes:  # all rows idle: nothing is written
+                self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
             # Measured on CPU (built-in model): without this second round, the first real request's
             # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
             # a second run of each prefill shape removes it (the cause was not found).
             self._throwaway_requests(max_tokens=1)
-            jax.block_until_ready(self.cache)
+            jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(prefills) + len(self.decode_groups) * len(self.kv_buckets)
+        shapes = len(prefills) + len(self.shapes.decode_shapes)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
@@ -266,26 +264,22 @@ class BatchEngine:
     def _throwaway_requests(self, max_tokens: int | None = None) -> None:
         """One request per prefill bucket, prefilled into slot 0 and decoded to its end (by default
         through two decode dispatches and a bit)."""
-        for bucket in self.buckets:
+        for bucket in self.shapes.buckets:
             prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
             request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
-                                        logprobs=1 if bucket == self.buckets[0] else None)
+                                        logprobs=1 if bucket == self.shapes.buckets[0] else None)
             self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
             while self._slots[0] is not None:
                 self._decode_dispatch()
 
     # ------------------------------------------------------------------------------ device calls
-    def _kv_bound(self, tokens: int) -> int:
-        """The smallest KV-length bucket that holds `tokens` cached positions."""
-        return next((b for b in self.kv_buckets if b >= tokens), self.max_model_len)
-
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool):
         before = prefill_step._cache_size()
-        self.cache, self.state, out = prefill_step(
-            self.params, self.cache, self.state, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start),
-            jnp.int32(num_new), jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config,
-            precision=self.precision, kv_len=self._kv_bound(start))
+        self.device, out = prefill_step(
+            self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
+            jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config, precision=self.precision,
+            kv_len=self.shapes.kv_bound(start))
         return out, prefill_step._cache_size() != before
 
     def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
@@ -297,13 +291,12 @@ class BatchEngine:
         want = jnp.asarray(self.want_logprobs)
         kv_len = kv_len or self.max_model_len
         for _ in range(steps):
-            args = (self.params, self.cache, self.state, self.tokens, self.positions, self.remaining, want)
             if rows is None:
-                result = decode_step(*args, config=self.config, precision=self.precision, kv_len=kv_len)
+                self.device, out = decode_step(self.params, self.device, want, config=self.config,
+                                               precision=self.precision, kv_len=kv_len)
             else:
-                result = decode_rows(*args, jnp.asarray(rows, jnp.int32), config=self.config,
-                                     precision=self.precision, kv_len=kv_len)
-            self.cache, self.state, self.tokens, self.positions, self.remaining, out = result
+                self.device, out = decode_rows(self.params, self.device, want, jnp.asarray(rows, jnp.int32),
+                                               config=self.config, precision=self.precision, kv_len=kv_len)
             outputs.append(out)
         return outputs
 
@@ -311,7 +304,7 @@ class BatchEngine:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
         is the full batch; else the active slots padded with idle ones up to that group size."""
         active = [i for i, slot in enumerate(self._slots) if slot is not None]
-        size = next(g for g in self.decode_groups if g >= len(active))
+        size = self.shapes.group_size(len(active))
         if size == self.max_batch:
             return None
         idle = [i for i, slot in enumerate(self._slots) if slot is None]
@@ -389,10 +382,11 @@ class BatchEngine:
         slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
                      budget=min(request.max_tokens, self.max_model_len - len(prompt)),
                      submitted=submitted, admitted=admitted)
-        self.state = set_sampling_row(self.state, jnp.int32(slot_index), row_values(request.sampling, prompt, self.config.vocab_size))
+        self.device = set_sampling_row(self.device, jnp.int32(slot_index),
+                                       row_values(request.sampling, prompt, self.config.vocab_size))
         want = request.logprobs is not None
         start = 0
-        chunks = plan_chunks(len(prompt), self.buckets)
+        chunks = plan_chunks(len(prompt), self.shapes.buckets)
         for index, (real, bucket) in enumerate(chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
                 self._finish_unstarted(handle, submitted)
@@ -409,19 +403,17 @@ class BatchEngine:
         slot.prefill_seconds = now - admitted
         self._slots[slot_index] = slot
         self.want_logprobs[slot_index] = want
-        self.tokens = self.tokens.at[slot_index].set(int(token))
-        self.positions = self.positions.at[slot_index].set(len(prompt))
-        self.remaining = self.remaining.at[slot_index].set(0)
+        self.device = self.device.with_slot(slot_index, token=int(token), position=len(prompt), remaining=0)
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
             # budget counts the token just produced; the device runs while tokens are still owed
-            self.remaining = self.remaining.at[slot_index].set(slot.budget - len(slot.tokens))
+            self.device = self.device.with_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
         steps = self.steps_per_dispatch
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
-        kv_len = self._kv_bound(furthest)
+        kv_len = self.shapes.kv_bound(furthest)
         outputs = self._dispatch_decode(steps, rows, kv_len)
         slot_of = range(self.max_batch) if rows is None else rows
         for out in outputs:
@@ -465,7 +457,7 @@ class BatchEngine:
 
     def _finish(self, i: int, reason: str, stop_token: int | None = None, error: str | None = None) -> None:
         slot = self._slots[i]
-        self.remaining = self.remaining.at[i].set(0)
+        self.device = self.device.with_slot(i, remaining=0)
         self.want_logprobs[i] = False
         with self._lock:
             self._slots[i] = None
@@ -496,14 +488,16 @@ class BatchEngine:
         now = time.perf_counter()
         handle.finish(GenerationResult(
             token_ids=(), finish_reason=reason, prompt_tokens=len(handle.request.prompt_ids),
-            timings=RequestTimings(now - submitted, 0.0, 0.0, 0.0, 0.0, 0, 0, False),
+            timings=RequestTimings(queue_seconds=now - submitted, prefill_seconds=0.0, time_to_first_token_seconds=0.0,
+                                   decode_seconds=0.0, decode_tokens_per_second=0.0, prefill_bucket=0, pad_tokens=0,
+                                   uncompiled_shape=False),
             degeneracy=check_degeneracy(()), error=error))
 
     def _recover_device_state(self, exc: Exception) -> None:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
         state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
         lost and they carry on untouched."""
-        leaves = jax.tree.leaves((self.cache, self.state, self.tokens, self.positions, self.remaining))
+        leaves = jax.tree.leaves(self.device)
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)

@@ -4,6 +4,7 @@ a warm-up must compile. Nothing here touches a device."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -64,3 +65,41 @@ def kv_buckets(max_model_len: int) -> tuple[int, ...]:
         buckets.append(size)
         size *= 4
     return (*buckets, max_model_len)
+
+
+# Compiled decode group sizes below the slot count: a decode step costs about its batch on CPU.
+GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+    """The compiled-shape set of one deployment, and the rules that map work onto it."""
+
+    max_model_len: int
+    slots: int
+    buckets: tuple[int, ...]  # prefill chunk lengths (`prefill_buckets`)
+    decode_groups: tuple[int, ...]  # slot counts a decode step is compiled for; the last is every slot
+    kv_buckets: tuple[int, ...]  # KV-length bounds (`kv_buckets`)
+
+    @classmethod
+    def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...]) -> ShapePlan:
+        return cls(max_model_len=max_model_len, slots=slots, buckets=prefill_buckets(max_model_len, buckets),
+                   decode_groups=tuple(g for g in GROUP_SIZES if g < slots) + (slots,),
+                   kv_buckets=kv_buckets(max_model_len))
+
+    def kv_bound(self, tokens: int) -> int:
+        """The smallest KV-length bucket that holds `tokens` cached positions."""
+        return next((b for b in self.kv_buckets if b >= tokens), self.max_model_len)
+
+    def group_size(self, active: int) -> int:
+        """The smallest compiled decode group that holds `active` slots."""
+        return next(g for g in self.decode_groups if g >= active)
+
+    def prefill_shapes(self) -> dict[tuple[int, int], int]:
+        """{(bucket, KV bound): a chunk start that needs it} (see `prefill_shapes`)."""
+        return prefill_shapes(self.buckets, self.max_model_len, self.kv_bound)
+
+    @property
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """(group size, KV bound) of every compiled decode step."""
+        return [(size, kv_len) for size in self.decode_groups for kv_len in self.kv_buckets]

@@ -1,61 +1,97 @@
 """The jitted device steps of the batching engine: prefill of one chunk into one slot, a decode step
-of every slot, and a decode step of a group of slots. Each donates the cache and the sampling state,
-and takes `config`, `precision` and `kv_len` (the cache slots it reads) as static arguments, so the
+of every slot, and a decode step of a group of slots, over one `DeviceState` pytree that each
+donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads) as static arguments, so the
 engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from gemmax.engine.sampling import sample, set_row
-from gemmax.model.forward import forward
+from gemmax.engine.sampling import SamplingState, sample, set_row
+from gemmax.model.config import ModelConfig
+from gemmax.model.forward import Precision, forward
+from gemmax.model.kv_cache import KVCache, init_cache
 
 
-def _rows(tree, slot, size=1):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, size, axis=0), tree)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceState:
+    """Everything the device keeps per decode slot, B slots: one pytree the steps donate and return."""
+
+    cache: KVCache  # B rows of max_model_len positions (rings on sliding layers)
+    sampling: SamplingState  # per-row settings, PRNG key, penalty counts
+    tokens: jax.Array  # [B] i32: each slot's last token (the next step's input)
+    positions: jax.Array  # [B] i32: tokens cached per slot
+    remaining: jax.Array  # [B] i32: tokens the slot still owes (0: idle, writes nothing)
+
+    def with_slot(self, slot: int, *, token: int | None = None, position: int | None = None,
+                  remaining: int | None = None) -> DeviceState:
+        """This state with slot `slot`'s token, position or remaining budget set (host-side, eager)."""
+        updates = {name: getattr(self, name).at[slot].set(value)
+                   for name, value in (("tokens", token), ("positions", position), ("remaining", remaining))
+                   if value is not None}
+        return dataclasses.replace(self, **updates)
+
+
+def init_device_state(config: ModelConfig, slots: int, max_len: int, precision: Precision) -> DeviceState:
+    """The zeroed state of `slots` decode slots of up to `max_len` positions, every slot idle."""
+    return DeviceState(cache=init_cache(config, slots, max_len, precision.kv_cache),
+                       sampling=SamplingState.empty(slots, config.vocab_size), tokens=jnp.zeros(slots, jnp.int32),
+                       positions=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32))
+
+
+def _rows(tree, slot):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), tree)
 
 
 def _put_rows(tree, rows, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def prefill_step(params, cache, state, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config, precision,
-                 kv_len=None):
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
+def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config,
+                 precision, kv_len=None):
     """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
     no extra shape) sample the row's first token from its last real position; earlier chunks leave
-    the row's sampling state (step counter, penalty counts) untouched."""
-    row_cache = cache.rows(slot)
+    the row's sampling state (step counter, penalty counts) untouched. Returns (device, (id, logprob,
+    top ids, top logprobs)); the slot's token, position and budget are the scheduler's to set."""
+    row_cache = device.cache.rows(slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                 precision=precision, kv_len=kv_len)
-    ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(state, slot), want_logprobs[None], last_chunk[None])
-    return cache.put_rows(row_cache, slot), _put_rows(state, row_state, slot), (ids[0], lp[0], top_ids[0], top_lp[0])
+    ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(device.sampling, slot), want_logprobs[None],
+                                                 last_chunk[None])
+    device = dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot),
+                                 sampling=_put_rows(device.sampling, row_state, slot))
+    return device, (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
-def _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len):
-    """One decode step for rows [B] of the given state. Rows with remaining == 0 are idle: they write
+def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len):
+    """One decode step for every row of `device`. Rows with remaining == 0 are idle: they write
     nothing and keep their token, position and sampling state."""
-    active = remaining > 0
-    logits, cache = forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32),
-                            config=config, precision=precision, kv_len=kv_len)
-    ids, lp, top_ids, top_lp, state = sample(logits, state, want_logprobs, active)
-    ids = jnp.where(active, ids, tokens)
+    active = device.remaining > 0
+    logits, cache = forward(params, device.cache, device.tokens[:, None], device.positions,
+                            active.astype(jnp.int32), config=config, precision=precision, kv_len=kv_len)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active)
+    ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
-    return cache, state, ids, positions + step, remaining - step, (ids, lp, top_ids, top_lp, active)
+    device = DeviceState(cache=cache, sampling=sampling, tokens=ids, positions=device.positions + step,
+                         remaining=device.remaining - step)
+    return device, (ids, lp, top_ids, top_lp, active)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def decode_step(params, cache, state, tokens, positions, remaining, want_logprobs, *, config, precision, kv_len=None):
-    """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position."""
-    return _decode(params, cache, state, tokens, positions, remaining, want_logprobs, config, precision, kv_len)
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
+def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None):
+    """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
+    Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
+    return _decode(params, device, want_logprobs, config, precision, kv_len)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("cache", "state"))
-def decode_rows(params, cache, state, tokens, positions, remaining, want_logprobs, rows, *, config, precision,
-                kv_len=None):
+@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
+def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
     on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
@@ -63,12 +99,19 @@ def decode_rows(params, cache, state, tokens, positions, remaining, want_logprob
 
     Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
     cost ~20% of a step of the built-in model."""
-    sub_cache, sub_state, ids, pos, rem, out = _decode(
-        params, cache.gather(rows, kv_len), jax.tree.map(lambda a: a[rows], state),
-        tokens[rows], positions[rows], remaining[rows], want_logprobs[rows], config, precision, kv_len)
-    cache = cache.scatter(rows, sub_cache, kv_len)
-    state = jax.tree.map(lambda a, sub: a.at[rows].set(sub), state, sub_state)
-    return (cache, state, tokens.at[rows].set(ids), positions.at[rows].set(pos), remaining.at[rows].set(rem), out)
+    per_row = lambda a: a[rows]  # noqa: E731
+    sub = DeviceState(cache=device.cache.gather(rows, kv_len), sampling=jax.tree.map(per_row, device.sampling),
+                      tokens=per_row(device.tokens), positions=per_row(device.positions),
+                      remaining=per_row(device.remaining))
+    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len)
+    put = lambda a, b: a.at[rows].set(b)  # noqa: E731
+    device = DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len),
+                         sampling=jax.tree.map(put, device.sampling, sub.sampling), tokens=put(device.tokens, sub.tokens),
+                         positions=put(device.positions, sub.positions), remaining=put(device.remaining, sub.remaining))
+    return device, out
 
 
-set_sampling_row = jax.jit(set_row, donate_argnums=0)  # one request's sampling settings into its slot
+@functools.partial(jax.jit, donate_argnames=("device",))
+def set_sampling_row(device: DeviceState, slot, values: dict) -> DeviceState:
+    """One request's sampling settings (`sampling.row_values`) into its slot."""
+    return dataclasses.replace(device, sampling=set_row(device.sampling, slot, values))

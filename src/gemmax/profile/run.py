@@ -13,6 +13,7 @@ model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -24,11 +25,9 @@ import jax.numpy as jnp
 
 from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
-from gemmax.engine.sampling import SamplingState
-from gemmax.engine.steps import decode_step
+from gemmax.engine.steps import decode_step, init_device_state
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
-from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
@@ -119,21 +118,20 @@ def profile_decode(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    cache = init_cache(config, batch, context + 1, precision.kv_cache)
-    state = SamplingState.empty(batch, config.vocab_size)
-    tokens = jnp.full(batch, config.bos_token_id, jnp.int32)
-    positions = jnp.full(batch, context, jnp.int32)
-    remaining = jnp.full(batch, 1 << 30, jnp.int32)
+    device = init_device_state(config, batch, context + 1, precision)
+    device = dataclasses.replace(device, tokens=jnp.full(batch, config.bos_token_id, jnp.int32),
+                                 positions=jnp.full(batch, context, jnp.int32),
+                                 remaining=jnp.full(batch, 1 << 30, jnp.int32))
     want = jnp.zeros(batch, jnp.bool_)
-    compiled = decode_step.lower(params, cache, state, tokens, positions, remaining, want,
-                                 config=config, precision=precision).compile()
+    compiled = decode_step.lower(params, device, want, config=config, precision=precision).compile()
     index = HloIndex.from_compiled(compiled)
 
     def run(n: int) -> None:
-        nonlocal cache, state, tokens
+        nonlocal device
         for _ in range(n):  # enqueued back to back, as the engine does; positions stay at `context`
-            cache, state, tokens, _, _, _ = compiled(params, cache, state, tokens, positions, remaining, want)
-        jax.block_until_ready(tokens)
+            device, _ = compiled(params, device, want)
+            device = dataclasses.replace(device, positions=device.positions - 1)
+        jax.block_until_ready(device.tokens)
 
     run(max(warmup, 1))
     started = time.perf_counter()

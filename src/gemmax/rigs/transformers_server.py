@@ -24,12 +24,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+
+from gemmax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorType,
+    SamplingFields,
+    TokenizeRequest,
+    error_body,
+)
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -164,49 +173,12 @@ class HFGenerator:
         return text[len(emitted):]
 
 
-# ----- OpenAI request / response shapes -----
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+# The request shapes and the error body are the gemmax server's own (gemmax.server.protocol), so both
+# servers accept and refuse the same requests; this rig honours temperature, top_p, seed, ignore_eos and
+# min_tokens, and refuses what it cannot do (n > 1, several prompts, other sampling controls).
+UNSUPPORTED = {"top_k": (None, 0, -1), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
+               "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "stop": (None, []),
+               "stop_token_ids": (None, []), "logit_bias": (None, {})}
 
 
 class APIError(Exception):
@@ -215,8 +187,8 @@ class APIError(Exception):
         self.message, self.param, self.status = message, param, status
 
 
-def _error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def _error_body(message: str, param: str | None = None, kind: ErrorType = "invalid_request_error") -> dict:
+    return error_body(message, kind, "server_error" if kind == "server_error" else "invalid_request", param)
 
 
 def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
@@ -236,11 +208,10 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}", param), status_code=400)
 
-    def prompt_ids(prompt: str | list) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError("this server takes one prompt per request", "prompt")
-            prompt = prompt[0]
+    def prompt_ids(prompts: list[str | list[int]]) -> list[int]:
+        if len(prompts) != 1:
+            raise APIError("this server takes one prompt per request", "prompt")
+        prompt = prompts[0]
         if isinstance(prompt, str):
             if gen.tokenizer is None:
                 raise APIError("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
@@ -252,7 +223,12 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
             raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {gen.vocab_size})", "prompt")
         return list(prompt)
 
-    def sampling(req: _Sampling, max_tokens: int | None, n_prompt: int) -> SamplingArgs:
+    def sampling(req: SamplingFields, max_tokens: int | None, n_prompt: int) -> SamplingArgs:
+        if req.n != 1:
+            raise APIError("this server generates one choice per request (n = 1)", "n")
+        for name, defaults in UNSUPPORTED.items():
+            if getattr(req, name) not in defaults:
+                raise APIError(f"{name} is not supported by the transformers rig", name)
         room = gen.max_model_len - n_prompt
         max_tokens = max_tokens if max_tokens is not None else room
         if max_tokens > room or room < 1:
@@ -260,7 +236,8 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
                            f"({gen.max_model_len})", "max_tokens")
         if req.min_tokens > max_tokens:
             raise APIError(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
-        return SamplingArgs(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        return SamplingArgs(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
 
     def usage(n_prompt: int, events: list[TokenEvent], t_arrival: float) -> dict[str, Any]:
@@ -327,11 +304,12 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         return await respond(ids, args, req.stream, include, chunk, whole, None)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatCompletionRequest):
         if gen.tokenizer is None or not getattr(gen.tokenizer, "chat_template", None):
             raise APIError("this model has no chat template: use /v1/completions", "messages")
-        ids = gen.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)["input_ids"]
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        ids = gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
         args = sampling(req, req.max_completion_tokens or req.max_tokens, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -354,7 +332,10 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
     async def tokenize(req: TokenizeRequest):
         if gen.tokenizer is None:
             raise APIError("this model has no tokenizer", "prompt")
-        tokens = gen.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        if req.prompt is None:
+            raise APIError("the transformers rig tokenizes a prompt, not messages", "messages")
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        tokens = gen.tokenizer(req.prompt, add_special_tokens=special).input_ids
         return {"tokens": tokens, "count": len(tokens), "max_model_len": gen.max_model_len}
 
     @app.post("/detokenize")
