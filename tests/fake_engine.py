@@ -82,6 +82,7 @@ class FakeEngine:
         self._waiting: deque[_Run] = deque()
         self._active: list[_Run] = []
         self._ready = False
+        self._warmed = threading.Event()  # set when warm-up ends, failed or not
         self._accepting = True
         self._stopping = False
         self._ids = itertools.count()
@@ -113,6 +114,12 @@ class FakeEngine:
     def start(self) -> FakeEngine:
         self._thread.start()
         return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._warmed.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"engine failed to start: {self.error}") from self.error
+        return self._warmed.is_set()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if not self.ready:
@@ -163,8 +170,10 @@ class FakeEngine:
         if self.warmup_error is not None:
             self.error = RuntimeError(self.warmup_error)
             self._ready = True  # as BatchEngine: ready is set, `error` says it failed
+            self._warmed.set()
             return
         self._ready = True
+        self._warmed.set()
         while True:
             with self._cond:
                 while len(self._active) < self.max_batch and self._waiting:

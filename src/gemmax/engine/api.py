@@ -237,6 +237,11 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until warm-up is done (True) or `timeout` passes (False); raises RuntimeError when
+        warm-up failed."""
+        ...
+
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish (bounded), stop the loop."""
         ...

@@ -46,11 +46,8 @@ def serve(load: Callable[[], tuple[Any, Any]], settings: ServerSettings, host: s
             return
         state.attach(engine, tokenizer)
         log.info("model loaded; the engine is warming up (GET /health turns 200 when it is ready)")
-        wait_ready = getattr(engine, "wait_ready", None)
-        if wait_ready is None:
-            return
         try:
-            wait_ready()
+            engine.wait_ready()
         except BaseException as exc:  # warm-up failed: exit like a failed load, not a zombie 503
             log.exception("engine warm-up failed")
             state.fail(f"{type(exc).__name__}: {exc}")
