@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 
 from gemmax.engine.sampling import SamplingState, _argmax, _filtered_sample, sample
 
@@ -119,7 +118,7 @@ def test_sampled_distribution_equals_the_rule(case):
     """Chi-square of 40,000 draws against the exact probabilities, over bins of at least 20 expected
     draws (token by token where a token carries that much, then consecutive ranks pooled), and no draw
     outside the kept set. A wrong rule fails this: an off-by-one at the top-k, top-p or min-p boundary
-    moves a token of several percent (p-values below 1e-30 when tried)."""
+    moves a token of several percent."""
     _, logits, temperature, top_k, top_p, min_p = case
     n = 40_000
     expected = _rule_probs(logits, temperature, top_k, top_p, min_p)
@@ -136,8 +135,15 @@ def test_sampled_distribution_equals_the_rule(case):
     bins[-1] += pending
     observed[-1] += pending_n
     assert len(bins) >= 5
-    _, p_value = scipy.stats.chisquare(observed, np.asarray(bins) * n / np.sum(bins))
-    assert p_value > 1e-4, f"chi-square p-value {p_value:.3g} over {len(bins)} bins"
+    bins = np.asarray(bins) * n / np.sum(bins)
+    statistic, df = float(np.sum((np.asarray(observed) - bins) ** 2 / bins)), len(bins) - 1
+    assert statistic < _chi2_bound(df), f"chi-square {statistic:.1f} over {df} degrees of freedom"
+
+
+def _chi2_bound(df: int, z: float = 3.72) -> float:
+    """The chi-square value exceeded with probability 1e-4 (z = 3.72), by Wilson and Hilferty's cube."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * np.sqrt(c)) ** 3
 
 
 def test_the_cases_reach_every_window():
