@@ -3,8 +3,13 @@
 Each row has its own temperature, top-k, top-p, min-p, penalties and PRNG key. A row's random draw at
 generation step n uses `fold_in(key(seed), n)`, so the same seed gives the same tokens whatever else
 shares the batch; temperature 0 is greedy and ignores the seed. The expensive parts (penalties, the
-full-vocabulary sort behind top-p, log-softmax for logprobs) sit behind `lax.cond`, so a batch that
-does not need them does not pay for them.
+block masses behind temperature and top-p, wider candidate windows, log-softmax for logprobs) sit
+behind `lax.cond`, so a batch that does not need them does not pay for them.
+
+No path sorts the vocabulary unless a row's kept set is not provably inside its best 1,024 tokens
+(`_filtered_sample`): temperature alone is an inverse-CDF draw over 64-token blocks; top-k, top-p and
+min-p run on the best 64 (then 256, 1,024) tokens, found exactly from block maxima. The distribution
+is the sorted rule's (`tests/test_sampling.py` checks it against float64 probabilities).
 """
 
 from __future__ import annotations
