@@ -1,14 +1,17 @@
-"""The sampler's pieces that the engine tests reach only through whole generations: the greedy argmax
-(first index of the maximum, as jnp.argmax) and which rows' state a step advances."""
+"""The sampler against exact references: the greedy argmax (first index of the maximum, as
+jnp.argmax), which rows' state a step advances, the sampled distribution of every rule against its
+probabilities computed by a float64 sort, and seeds that give the same tokens whatever shares the batch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemmax.engine.sampling import SamplingState, _argmax, sample
+from gemmax.engine.sampling import _TIERS, SamplingState, _argmax, _filtered_sample, sample
 
 
 @pytest.mark.parametrize("vocab", [262144, 4096, 1000])  # 1000: not a multiple of the block
@@ -39,3 +42,161 @@ def test_only_advancing_rows_count_their_token():
     assert counts.sum() == 2 and counts[1].sum() == 0
     _, _, _, _, every = sample(logits, state, jnp.zeros(3, jnp.bool_))  # default: every row advances
     np.testing.assert_array_equal(np.asarray(every.step), [1, 1, 1])
+
+
+# --- the sampled distribution against the rule, computed exactly in float64 by a sort ---------------
+
+def _rule_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The probability of each token under the documented rule (as vLLM applies it): temperature; the
+    top_k best (ties to the lower index); top_p on the renormalised top-k, keeping each token whose
+    predecessors hold less than top_p; min_p against the best token; renormalise."""
+    V = logits.shape[0]
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    s = scaled[order]
+    keep = np.ones(V, bool)
+    if 0 < top_k < V:
+        keep[top_k:] = False
+    p = np.where(keep, np.exp(s - s[0]), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        keep &= np.cumsum(p) - p < top_p
+    keep &= p >= min_p * p[0]
+    keep[0] = True
+    q = np.where(keep, np.exp(s - s[0]), 0.0)
+    out = np.zeros(V)
+    out[order] = q / q.sum()
+    return out
+
+
+def _draws(logits: np.ndarray, temperature, top_k, top_p, min_p, n: int, batch: int = 2000) -> np.ndarray:
+    """n independent draws of the sampler on one row of logits, `batch` rows (seeds) per call."""
+    V = logits.shape[0]
+    f = lambda v, dtype=jnp.float32: jnp.full(batch, v, dtype)  # noqa: E731
+    run = jax.jit(_filtered_sample)
+    out = []
+    for start in range(0, n, batch):
+        keys = jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.arange(start, start + batch))
+        state = SamplingState(temperature=f(temperature), top_k=f(top_k, jnp.int32), top_p=f(top_p), min_p=f(min_p),
+                              presence=f(0.0), frequency=f(0.0), repetition=f(1.0), key=keys.astype(jnp.uint32),
+                              step=f(7, jnp.int32), output_counts=jnp.zeros((batch, 1), jnp.int32),
+                              prompt_mask=jnp.zeros((batch, 1), jnp.bool_))
+        out.append(np.asarray(run(jnp.broadcast_to(jnp.asarray(logits), (batch, V)), state)))
+    return np.concatenate(out)[:n]
+
+
+def _peaked(vocab: int, seed: int) -> np.ndarray:
+    """A language-model-like row: a few strong tokens (spread so that every boundary of the rules
+    below cuts between tokens of a few percent) over a long Gaussian tail."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    head = rng.choice(vocab, 24, replace=False)
+    logits[head] += np.linspace(7.0, 3.5, 24, dtype=np.float32)
+    return logits
+
+
+_FLAT = np.random.default_rng(3).standard_normal(1280).astype(np.float32) * 0.5  # top-p 0.95 keeps ~1,190
+
+# (name, logits, temperature, top_k, top_p, min_p); "wide" cases need the 1,024-window, "sorted" the full sort
+_CASES = [
+    ("temperature", _peaked(1280, 0), 1.0, 0, 1.0, 0.0),
+    ("temperature 0.7, top_p 0.9", _peaked(1280, 1), 0.7, 0, 0.9, 0.0),
+    ("top_k 40", _peaked(1280, 2), 1.0, 40, 1.0, 0.0),
+    ("top_k 5", _peaked(1280, 2), 1.0, 5, 1.0, 0.0),
+    ("min_p 0.05", _peaked(1280, 4), 1.0, 0, 1.0, 0.05),
+    ("top_k 50, top_p 0.8, min_p 0.02, temperature 0.8", _peaked(1280, 5), 0.8, 50, 0.8, 0.02),
+    ("wide: top_k 600, top_p 0.97", _peaked(1280, 6), 1.5, 600, 0.97, 0.0),
+    ("wide: min_p 0.3 on a flat row", _FLAT, 1.0, 0, 1.0, 0.3),
+    ("sorted: top_p 0.95 on a flat row", _FLAT, 1.0, 0, 0.95, 0.0),
+    ("sorted: top_k 1100", _FLAT, 1.0, 1100, 1.0, 0.0),
+    ("small vocabulary, top_p 0.9", _peaked(100, 7), 1.0, 0, 0.9, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_sampled_distribution_equals_the_rule(case):
+    """Chi-square of 20,000 draws against the exact probabilities, over bins of at least 20 expected
+    draws (token by token where a token carries that much, then consecutive ranks pooled), and no draw
+    outside the kept set. A wrong rule fails this: an off-by-one at the top-k, top-p or min-p boundary
+    moves a token of several percent."""
+    _, logits, temperature, top_k, top_p, min_p = case
+    n = 20_000
+    expected = _rule_probs(logits, temperature, top_k, top_p, min_p)
+    counts = np.bincount(_draws(logits, temperature, top_k, top_p, min_p, n), minlength=logits.shape[0])
+    assert counts[expected == 0].sum() == 0, "drew a token outside the kept set"
+    order = np.argsort(-expected, kind="stable")
+    order = order[expected[order] > 0]
+    bins, observed, pending, pending_n = [], [], 0.0, 0
+    for token in order:
+        pending, pending_n = pending + expected[token] * n, pending_n + counts[token]
+        if pending >= 20:
+            bins.append(pending), observed.append(pending_n)
+            pending, pending_n = 0.0, 0
+    bins[-1] += pending
+    observed[-1] += pending_n
+    assert len(bins) >= 5
+    bins = np.asarray(bins) * n / np.sum(bins)
+    statistic, df = float(np.sum((np.asarray(observed) - bins) ** 2 / bins)), len(bins) - 1
+    assert statistic < _chi2_bound(df), f"chi-square {statistic:.1f} over {df} degrees of freedom"
+
+
+def _chi2_bound(df: int, z: float = 3.72) -> float:
+    """The chi-square value exceeded with probability 1e-4 (z = 3.72), by Wilson and Hilferty's cube."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * np.sqrt(c)) ** 3
+
+
+def test_the_cases_reach_every_window():
+    """The cases above exercise the first window, the wider ones and the full sort."""
+    for name, logits, temperature, top_k, top_p, min_p in _CASES:
+        kept = int((_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum())
+        if name.startswith("wide"):
+            assert _TIERS[0] < kept <= _TIERS[-1], name
+        elif name.startswith("sorted"):
+            assert kept > _TIERS[-1], name
+        elif name != "temperature":
+            assert kept <= _TIERS[0], name
+
+
+def test_ties_at_the_top_k_boundary_keep_the_lower_indices():
+    logits = np.zeros(300, np.float32)
+    logits[[250, 10, 200, 40]] = 2.0  # four tied best tokens; top_k 3 keeps 10, 40, 200
+    drawn = set(_draws(logits, 1.0, 3, 1.0, 0.0, 2000).tolist())
+    assert drawn == {10, 40, 200}
+    logits[:] = 1.0  # all tied: top_k 70 (wider than the first window) keeps 0..69
+    drawn = np.unique(_draws(logits, 1.0, 70, 1.0, 0.0, 4000))
+    np.testing.assert_array_equal(drawn, np.arange(70))
+
+
+def test_a_row_draws_the_same_token_whatever_shares_the_batch():
+    """Each row's token depends only on its logits, settings and seed: the same rows alone, or beside
+    rows that need the 1,024-entry window, the full sort or the whole-row draw, give the same ids."""
+    V = 1280
+    settings = [  # temperature, top_k, top_p, min_p
+        (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 40, 1.0, 0.0), (1.0, 0, 1.0, 0.05),
+        (1.0, 600, 0.97, 0.0), (1.0, 0, 0.95, 0.0), (1.0, 1100, 1.0, 0.0), (0.8, 50, 0.8, 0.02),
+    ]
+    logits = np.stack([_peaked(V, i) if i != 6 else _FLAT for i in range(len(settings))])
+    logits[7] = _FLAT
+
+    def run(rows, steps):
+        B = len(rows)
+        state = SamplingState.empty(B, V)
+        pick = lambda i: jnp.asarray([settings[r][i] for r in rows])  # noqa: E731
+        state = dataclasses.replace(
+            state, temperature=pick(0).astype(jnp.float32), top_k=pick(1).astype(jnp.int32),
+            top_p=pick(2).astype(jnp.float32), min_p=pick(3).astype(jnp.float32),
+            key=jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.asarray(rows) + 100).astype(jnp.uint32),
+            step=jnp.asarray(steps, jnp.int32))
+        ids, *_ = jax.jit(sample)(jnp.asarray(logits[rows]), state, jnp.zeros(B, jnp.bool_))
+        return np.asarray(ids)
+
+    everything = list(range(len(settings)))
+    together = np.stack([run(everything, [s] * len(settings)) for s in range(6)])  # [steps, rows]
+    for r in everything:
+        alone = [run([r], [s])[0] for s in range(6)]
+        np.testing.assert_array_equal(together[:, r], alone, err_msg=f"row {r} {settings[r]}")
+    assert together[:, 0].tolist() == [int(np.argmax(logits[0]))] * 6  # greedy ignores the seed
+    assert len(set(together[:, 1].tolist())) > 1  # the sampled rows do move between steps
+    reordered = run(everything[::-1], [3] * len(settings))
+    np.testing.assert_array_equal(reordered[::-1], together[3])
