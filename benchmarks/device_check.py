@@ -293,7 +293,8 @@ COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 def section_profile(ctx) -> dict[str, Any]:
     from gemmax.profile.run import profile_decode
 
-    if ctx.platform == "gpu" and COMMAND_BUFFERS_OFF not in os.environ.get("XLA_FLAGS", ""):
+    wanted = ctx.profile_subprocess == "yes" or (ctx.profile_subprocess == "auto" and ctx.platform == "gpu")
+    if wanted and COMMAND_BUFFERS_OFF not in os.environ.get("XLA_FLAGS", ""):
         return profile_in_subprocess(ctx)
     ctx.need_bandwidth()
     policy = policy_for("auto")
@@ -503,6 +504,7 @@ class Context:
         self.steps = args.steps or (4 if self.reduced else 32)
         self.repeats = args.repeats or (2 if self.reduced else 3)
         self.bandwidth_gb_s: float | None = args.bandwidth_gb_s
+        self.profile_subprocess = args.profile_subprocess
         self.out = out
 
     def need_bandwidth(self) -> None:
@@ -534,6 +536,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--profile-subprocess", choices=("auto", "yes", "no"), default="auto",
+                        help="profile in a child process with XLA:GPU command buffers off (auto: on GPU)")
     parser.add_argument("--bandwidth-gb-s", type=float, help="use this bandwidth instead of measuring it")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
