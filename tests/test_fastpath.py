@@ -160,8 +160,9 @@ def test_decode_step_reads_every_matrix_through_the_fused_dot(six_layers):
     config, _, params = six_layers
     reads = decode_weight_reads(_decode_hlo(params, config, 1))
     # The tied LM head (262144 x 1536) is one fused dot; its rows are also gathered for the embedding.
-    assert reads["params['embed']"] == (GATHER, GEMV)
-    assert reads["params['ple_embed']"] == (GATHER,)
+    # (jax 0.11's XLA may gather the rows in several ops: the head is still exactly one fused dot)
+    assert reads["params['embed']"].count(GEMV) == 1 and set(reads["params['embed']"]) == {GATHER, GEMV}
+    assert set(reads["params['ple_embed']"]) == {GATHER}
     layer0 = {k: v for k, v in reads.items() if k.startswith("params['layers'][0]")}
     assert set(layer0) == {f"params['layers'][0]['{n}']" for n in ("q", "k", "v", "o", "gate", "up", "ple_gate", "ple_proj")} | {
         "params['layers'][0]['down'][0]", "params['layers'][0]['down'][1]"}

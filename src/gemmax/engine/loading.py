@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.fastpath import prepare_params
+from gemmax.engine.kernel_probe import live_probe
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
@@ -34,7 +35,8 @@ def resolve_policy(dtype: str | None, quant: QuantOptions, config: ModelConfig |
     """The device policy with the quantisation plan folded in (kernels picked for this device, the
     W4A16 tiles checked from the config alone), logged as the first line. Returns (policy, plan)."""
     policy = device_policy(dtype)
-    plan = resolve_quant(quant, policy.platform, policy.compute_capability, config)
+    plan = resolve_quant(quant, policy.platform, policy.compute_capability, config,
+                         probe=live_probe(policy.platform))
     policy = dataclasses.replace(policy, quant=plan.options,
                                  kv_cache="int8" if quant.kv_cache == "int8" else policy.kv_cache)
     log_policy(policy)

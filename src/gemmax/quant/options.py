@@ -59,6 +59,7 @@ class QuantOptions:
     w4a16_kernel: str = "auto"  # auto | xla | pallas; after `resolve`: one of KERNELS
     w4a16_tiles: W4Tiles | None = None  # Pallas tiles (None: the largest that fits)
     allow_pallas_interpret: bool = False  # run the Pallas kernel in CPU interpret mode (a simulator)
+    w4a16_probe: str | None = None  # after `resolve` on a live GPU / TPU: "passed" | "slower" | "failed" (engine.kernel_probe)
 
     def __post_init__(self):
         for name, value, allowed in (("quant", self.quant, QUANT_MODES), ("ple_bits", self.ple_bits, PLE_BITS),
@@ -99,4 +100,6 @@ class QuantOptions:
             text += f" w4a16_kernel={self.w4a16_kernel}"
             if self.w4a16_tiles is not None:
                 text += f" w4a16_tiles={self.w4a16_tiles}"
+            if self.w4a16_probe is not None:
+                text += f" w4a16_probe={self.w4a16_probe}"
         return text

@@ -8,6 +8,7 @@ quantised size; under `jax.eval_shape` the same code gives exact byte counts fro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ class Quantizer:
         if spec.kind == "matrix" and o.quant == "int8":
             return quantize_int8(value, self.kernel)
         if spec.kind == "matrix" and o.quant == "w4a16":
-            if o.w4a16_kernel == "pallas":
+            if o.w4a16_kernel == "pallas" and o.w4a16_tiles is None:
                 raise QuantError("w4a16_kernel='pallas' needs tiles for the device: pass the options through resolve()")
             kernel = self.kernel if o.w4a16_kernel == "auto" else o.w4a16_kernel
             return quantize_int4(value, kernel, o.w4a16_tiles)
@@ -75,10 +76,15 @@ class QuantPlan:
         return Quantizer.for_config(self.options, config, self.kernel)
 
 
-def resolve(options: QuantOptions, platform: str, compute_capability: str | None = None, config=None) -> QuantPlan:
+def resolve(options: QuantOptions, platform: str, compute_capability: str | None = None, config=None,
+            probe: Callable | None = None) -> QuantPlan:
     """Choose the kernels for the live device. W4A16 on GPU/TPU uses the Pallas kernel with tiles that
-    fit the on-chip memory per block (explicit tiles that do not fit are refused with the arithmetic);
-    on CPU the measured XLA form, or the Pallas kernel in interpret mode only when explicitly allowed."""
+    fit the on-chip memory per block (explicit tiles that do not fit are refused with the arithmetic)
+    and, given `probe` (tiles, chunk shapes -> gemmax.engine.kernel_probe.ProbeResult, run on the live
+    device), only once the probe compiled it and matched the XLA path: else "auto" falls back to XLA
+    and an explicit "pallas" is refused ("auto" also falls back when the probe timed it slower than
+    XLA); on CPU the measured XLA form, or the Pallas kernel in interpret mode only when explicitly
+    allowed."""
     if options.quant == "auto":
         raise QuantError("quant='auto' depends on the checkpoint: resolve it with QuantOptions.for_source first")
     kernel = "cpu" if platform == "cpu" else "xla"
@@ -108,8 +114,23 @@ def resolve(options: QuantOptions, platform: str, compute_capability: str | None
             return QuantPlan(dataclasses.replace(options, w4a16_kernel="xla"), kernel,
                              f"no Pallas tiling fits, using the XLA W4A16 path: {exc}")
         raise
-    return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas", w4a16_tiles=fit.tiles), kernel,
-                     describe_fit(fit))
+    note = describe_fit(fit)
+    if probe is not None:
+        result = probe(fit.tiles, tuple(b.shape for b in fit.blocks))
+        slower = result.ok and result.speedup is not None and result.speedup < 1
+        options = dataclasses.replace(options, w4a16_probe="failed" if not result.ok else "slower" if slower else "passed")
+        if slower and asked == "auto":
+            return QuantPlan(dataclasses.replace(options, w4a16_kernel="xla"), kernel,
+                             f"the Pallas W4A16 kernel passed its start-up probe but ran at {result.speedup:.2f}x the "
+                             f"XLA path's speed, using the XLA W4A16 path (--w4a16-kernel pallas forces it): {result.detail}")
+        if not result.ok and asked == "auto":
+            return QuantPlan(dataclasses.replace(options, w4a16_kernel="xla"), kernel,
+                             f"the Pallas W4A16 kernel failed its start-up probe on this device, using the XLA "
+                             f"W4A16 path: {result.detail}")
+        if not result.ok:
+            raise QuantError(f"--w4a16-kernel pallas: the kernel failed its start-up probe on this device: {result.detail}")
+        note += f"; start-up probe passed: {result.detail}"
+    return QuantPlan(dataclasses.replace(options, w4a16_kernel="pallas", w4a16_tiles=fit.tiles), kernel, note)
 
 
 # ------------------------------------------------------------------------------------------- bytes
