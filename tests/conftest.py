@@ -24,3 +24,12 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     for name in GEMMA3_CONFIGS:
         built[name] = (root / name, build_gemma3(name, root / name, seed=len(built)))
     return built
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The tiny checkpoints' tokenizer (tiny_checkpoint.write_tokenizer), for the fake-engine servers."""
+    from gemmax.weights.tokenizer import load_tokenizer
+    from tiny_checkpoint import write_tokenizer
+
+    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))

@@ -261,15 +261,21 @@ def test_chunked_long_prompt_samples_like_generate(engine, loaded):
     assert list(result.token_ids) == _reference(loaded, prompt, 12, sampling)
 
 
-def test_a_failing_prefill_fails_its_request_and_the_engine_keeps_serving(engine, loaded, monkeypatch):
+def _fail_prefills_of(engine, monkeypatch, first_token: int, message: str):
+    """Make the engine's prefill raise for prompts that start with `first_token`; returns the original."""
     original = engine._run_prefill
 
     def broken(tokens, *args):
-        if tokens[0, 0] == 99:
-            raise RuntimeError("simulated device fault")
+        if tokens[0, 0] == first_token:
+            raise RuntimeError(message)
         return original(tokens, *args)
 
     monkeypatch.setattr(engine, "_run_prefill", broken)
+    return original
+
+
+def test_a_failing_prefill_fails_its_request_and_the_engine_keeps_serving(engine, loaded, monkeypatch):
+    original = _fail_prefills_of(engine, monkeypatch, 99, "simulated device fault")
     failed = engine.submit(GenerationRequest((99, 3, 4), 5, ignore_eos=True)).wait()
     assert failed.finish_reason == "error" and "simulated device fault" in failed.error
     monkeypatch.setattr(engine, "_run_prefill", original)
@@ -372,14 +378,7 @@ def test_unrepresentable_values_are_refused_at_submit_and_nothing_else_is_hurt(e
 
 def test_a_fault_in_one_request_ends_that_request_alone(engine, loaded, monkeypatch):
     """A prefill that raises while other requests decode: only that request ends with the error."""
-    original = engine._run_prefill
-
-    def broken(tokens, *args):
-        if tokens[0, 0] == 98:
-            raise RuntimeError("simulated fault in this request's step")
-        return original(tokens, *args)
-
-    monkeypatch.setattr(engine, "_run_prefill", broken)
+    _fail_prefills_of(engine, monkeypatch, 98, "simulated fault in this request's step")
     others = [engine.submit(GenerationRequest((20 + i, 3, 4), 24, ignore_eos=True)) for i in range(2)]
     for handle in others:
         next(iter(handle))  # both are decoding

@@ -13,18 +13,11 @@ import openai
 import pytest
 
 from fake_engine import fake_server, read_metric
-from gemmax.weights.tokenizer import load_tokenizer
-from tiny_checkpoint import write_tokenizer
 
 USER = "Hello café €"
 # tiny chat template: <bos><|turn>user\n{content}<turn|>\n<|turn>model\n ; the fake echoes it without specials
 CHAT_ECHO = f"user\n{USER}\nmodel\n"
 MESSAGES = [{"role": "user", "content": USER}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture(scope="module")

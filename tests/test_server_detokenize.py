@@ -9,13 +9,7 @@ import pytest
 
 from gemmax.server.detokenize import MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringMatcher, TokenTable
 from gemmax.server.protocol import ChatCompletionRequest, validation_message
-from gemmax.weights.tokenizer import load_tokenizer
-from tiny_checkpoint import BYTE_OFFSET, VOCAB_SIZE, write_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
+from tiny_checkpoint import BYTE_OFFSET, VOCAB_SIZE
 
 
 @pytest.fixture(scope="module")

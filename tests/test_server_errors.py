@@ -11,17 +11,11 @@ import pytest
 
 from fake_engine import fake_server, read_metric
 from gemmax.server.app import ServerSettings
-from gemmax.weights.tokenizer import load_tokenizer
-from tiny_checkpoint import BOS_ID, write_tokenizer
+from tiny_checkpoint import BOS_ID
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 FAULT, CRASH = 500, 501  # token ids that make the fake engine fail (mid-request / on submit)
 LEAKS = ("pydantic", "errors.pydantic.dev", "ValidationError", "input_value", "Traceback", "loc", "ctx")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,8 @@ import pytest
 
 from fake_engine import fake_server
 from gemmax.server.app import ServerSettings
-from gemmax.weights.tokenizer import load_tokenizer
 from test_server_errors import CRASH, MESSAGES, assert_error, assert_serving, post
-from tiny_checkpoint import BOS_ID, write_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
+from tiny_checkpoint import BOS_ID
 
 
 @pytest.fixture(scope="module")
