@@ -71,9 +71,9 @@ def test_conversion_writes_an_hf_checkpoint_equal_to_the_gguf(hf_checkpoints, tm
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     tokenizer = load_tokenizer(target)
     for text in ("ab ab\n  cd", "ba cd", "  \n"):
-        assert tokenizer.encode(text) == direct.tokenizer.encode(text)
+        assert tokenizer.encode(text) == direct.source.tokenizer.encode(text)
     assert tokenizer.render_chat([{"role": "user", "content": "ab"}]) == \
-        direct.tokenizer.render_chat([{"role": "user", "content": "ab"}])
+        direct.source.tokenizer.render_chat([{"role": "user", "content": "ab"}])
 
     # transformers reads the directory as an ordinary Gemma 3 checkpoint with the original's logits.
     model = Gemma3ForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager").eval()
