@@ -13,6 +13,7 @@ import gemmax.quant as Q
 from gemmax.engine.kernel_probe import ProbeResult, live_probe, probe_shapes, probe_w4a16
 from gemmax.model.config import E2B_SIX_LAYER_CONFIG, ModelConfig
 from gemmax.model.params import random_params
+from gemmax.quant import w4a16
 from gemmax.quant.pallas_w4a16 import W4Tiles, check_w4a16_fits, effective_tiles
 
 SMALL = ModelConfig.from_hf_config(dict(
@@ -52,7 +53,7 @@ def test_a_kernel_that_does_not_compile_falls_back_to_xla():
 
 
 def test_a_wrong_kernel_fails_the_probe(monkeypatch):
-    monkeypatch.setattr(Q, "w4a16_matmul", lambda x, packed, scales, **kw: jnp.zeros((x.shape[0], packed.shape[0])))
+    monkeypatch.setattr(w4a16, "w4a16_matmul", lambda x, packed, scales, **kw: jnp.zeros((x.shape[0], packed.shape[0])))
     probe_w4a16.cache_clear()
     try:
         # tiles and shape of no other test: jit caches the traced (here broken) kernel by them

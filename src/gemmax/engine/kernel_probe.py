@@ -16,6 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from gemmax.model.linear import linear
+from gemmax.quant.packing import int4_group
+from gemmax.quant.pallas_w4a16 import effective_tiles
+from gemmax.quant.w4a16 import quantize_int4
+
 TOLERANCE = 2e-2  # max |pallas - xla| / max |xla|
 
 
@@ -30,9 +35,6 @@ def probe_shapes(tiles, chunks, group: int | None = None) -> tuple[tuple[int, in
     """(M, N, K) per distinct block the model's packing chunks (N, K) give the kernel: one block of rows
     (tiles.bm) times one block column (the bn the kernel uses on that N) of the chunk's full K, so
     every BlockSpec the model will use is compiled once (the grid only repeats it)."""
-    from gemmax.quant import int4_group
-    from gemmax.quant.pallas_w4a16 import effective_tiles
-
     blocks = {(effective_tiles((n, k), tiles, group or int4_group(k))[0], k) for n, k in chunks}
     return tuple((tiles.bm, n, k) for n, k in sorted(blocks))
 
@@ -62,8 +64,6 @@ def probe_w4a16(tiles, chunks: tuple[tuple[int, int], ...], interpret: bool = Fa
     try:
         import jax
         import jax.numpy as jnp
-
-        from gemmax.quant import linear, quantize_int4
 
         worst, key, xla_s, pallas_s = 0.0, jax.random.key(0), 0.0, 0.0
         shapes = probe_shapes(tiles, chunks)
