@@ -33,3 +33,19 @@ def tokenizer(tmp_path_factory):
     from tiny_checkpoint import write_tokenizer
 
     return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _persistent_compile_cache_off_after_each_module():
+    """An engine started in-process turns JAX's persistent compilation cache on for the whole process
+    (`gemmax.engine.compile_cache.enable`, as `serve` needs). Turn it off after each module, so later
+    modules that jit their own functions do not serialise every one of them into whatever directory an
+    earlier module left configured: the full suite aborted twice inside XLA:CPU's executable
+    serialisation (jax's `put_executable_and_time`) while test_sampling compiled its many small
+    sampler programs with the cache left on, which neither module alone reproduces."""
+    yield
+    import jax
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
