@@ -36,16 +36,17 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _persistent_compile_cache_off_after_each_module():
-    """An engine started in-process turns JAX's persistent compilation cache on for the whole process
-    (`gemmax.engine.compile_cache.enable`, as `serve` needs). Turn it off after each module, so later
-    modules that jit their own functions do not serialise every one of them into whatever directory an
-    earlier module left configured: the full suite aborted twice inside XLA:CPU's executable
-    serialisation (jax's `put_executable_and_time`) while test_sampling compiled its many small
-    sampler programs with the cache left on, which neither module alone reproduces."""
+def _fresh_jax_state_after_each_module():
+    """Each module starts from a clean JAX process state: the compiled executables earlier modules
+    left behind are dropped (`jax.clear_caches`), and the persistent compilation cache that an
+    in-process engine turns on for the whole process (`gemmax.engine.compile_cache.enable`, as `serve`
+    needs) is turned off again. Without this the full suite aborted inside XLA:CPU (compiling, or
+    serialising into the cache) while test_sampling compiled its many small sampler programs late in
+    a process holding thousands of executables; neither module alone reproduces it."""
     yield
     import jax
     from jax._src import compilation_cache
 
+    jax.clear_caches()
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
