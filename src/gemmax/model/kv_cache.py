@@ -31,10 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gemmax.model.config import LayerSpec, ModelConfig
+from gemmax.model.params import count_bytes
 
 
 def _static(default: Any = dataclasses.MISSING) -> Any:
@@ -175,14 +175,10 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.f
     return KVCache(tuple(layers))
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
-
-
 @functools.lru_cache(maxsize=256)
 def _layer_bytes(config: ModelConfig, max_len: int, dtype_name: str) -> tuple[int, ...]:
     abstract = jax.eval_shape(lambda: init_cache(config, 1, max_len, dtype_name))
-    return tuple(0 if layer is None else _nbytes(layer) for layer in abstract.layers)
+    return tuple(0 if layer is None else count_bytes(layer) for layer in abstract.layers)
 
 
 def cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
