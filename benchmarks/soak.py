@@ -2,7 +2,10 @@
 
 Greedy prompts (temperature 0) have one right answer: it is taken first from a sequential run (one
 request at a time), then N clients stream the same prompts in a loop for T seconds and every stream
-is judged:
+is judged. One right answer needs a batch-invariant server: batched decode sums in another order than
+a single stream, so without `--batch-invariant` a greedy text may flip at a near-tie (docs/server.md);
+the server this script starts runs with it (`--no-batch-invariant` to soak the default mode), and the
+summary says which mode the server was in (from /health).
 
     completed     HTTP 200, text equal to the sequential run's, ended by `data: [DONE]`
     corrupted     ended by [DONE] but the text differs (a batching, cache or streaming bug)
@@ -113,6 +116,8 @@ async def soak(url: str, clients: int, seconds: float, max_tokens: int = 32, pro
                pid: int | None = None, log=print) -> dict:
     """Run the soak; returns the summary (the JSON line's content)."""
     prompts = prompts or PROMPTS
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        batch_invariant = (await client.get("/health")).json().get("batch_invariant")
     expected = await expected_texts(url, prompts, max_tokens)
     tally = Tally()
     rss: list[tuple[float, int]] = []
@@ -162,6 +167,7 @@ async def soak(url: str, clients: int, seconds: float, max_tokens: int = 32, pro
     ttft = sorted(tally.ttft)
     summary = {
         "clients": clients, "seconds": round(elapsed, 1), "max_tokens": max_tokens, "prompts": len(prompts),
+        "batch_invariant": batch_invariant,
         **{k: v for k, v in asdict(tally).items() if k not in ("ttft", "errors")}, "lost": lost,
         "errors": tally.errors, "requests_per_s": round(tally.completed / elapsed, 2),
         "ttft_p50_s": round(ttft[len(ttft) // 2], 3) if ttft else None,
@@ -177,7 +183,8 @@ async def soak(url: str, clients: int, seconds: float, max_tokens: int = 32, pro
 
 
 def table(summary: dict) -> str:
-    rows = [("clients", summary["clients"]), ("seconds", summary["seconds"]), ("sent", summary["sent"]),
+    rows = [("clients", summary["clients"]), ("seconds", summary["seconds"]),
+            ("server batch-invariant", summary["batch_invariant"]), ("sent", summary["sent"]),
             ("completed", summary["completed"]), ("failed", summary["failed"]), ("corrupted", summary["corrupted"]),
             ("unterminated", summary["unterminated"]), ("lost", summary["lost"]),
             ("completed / s", summary["requests_per_s"]), ("TTFT p50 / p99 s", f"{summary['ttft_p50_s']} / {summary['ttft_p99_s']}"),
@@ -201,7 +208,8 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "gemmax.cli", "serve", "--port", str(port), "--max-model-len",
-           str(args.max_model_len), "--max-batch", str(args.max_batch), "--log-level", "warning", *args.serve_args]
+           str(args.max_model_len), "--max-batch", str(args.max_batch), "--log-level", "warning",
+           "--batch-invariant" if args.batch_invariant else "--no-batch-invariant", *args.serve_args]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -229,6 +237,8 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--server-log", help="file for the started server's output")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                        help="start the server with --batch-invariant (default), so every greedy text has one right answer")
     parser.add_argument("serve_args", nargs="*", help="more `gemmax serve` options (after --)")
     args = parser.parse_args()
     proc = None

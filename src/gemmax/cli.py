@@ -187,6 +187,7 @@ def serve(
     max_queue: int = typer.Option(256, min=0, help="requests that may wait for a slot (0: no bound); beyond: 503 with Retry-After"),
     max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
+    batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
     log_level: str = typer.Option("info"),
     quant=None,
 ) -> None:
@@ -209,7 +210,7 @@ def serve(
         from gemmax.engine.loading import start_engine
 
         return start_engine(model, dtype, quant, max_model_len=max_model_len, max_batch=max_batch,
-                            max_queue=max_queue or None)
+                            max_queue=max_queue or None, batch_invariant=batch_invariant)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 

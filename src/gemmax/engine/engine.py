@@ -88,7 +88,7 @@ class BatchEngine:
 
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
-                 compile_cache_dir: str | None = None, max_queue: int | None = None):
+                 compile_cache_dir: str | None = None, max_queue: int | None = None, batch_invariant: bool = False):
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -103,6 +103,7 @@ class BatchEngine:
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
         self.params = loaded.checkpoint.params
         self.steps_per_dispatch = steps_per_dispatch
+        self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
@@ -160,6 +161,7 @@ class BatchEngine:
             "max_batch": self.max_batch,
             "prefill_buckets": list(self.shapes.buckets),
             "steps_per_dispatch": self.steps_per_dispatch,
+            "batch_invariant": self.batch_invariant,
             "decode_groups": list(self.shapes.decode_groups),
             "kv_buckets": list(self.shapes.kv_buckets),
             "warmup": self.warmup_report,
@@ -293,10 +295,12 @@ class BatchEngine:
         for _ in range(steps):
             if rows is None:
                 self.device, out = decode_step(self.params, self.device, want, config=self.config,
-                                               precision=self.precision, kv_len=kv_len)
+                                               precision=self.precision, kv_len=kv_len,
+                                               row_invariant=self.batch_invariant)
             else:
                 self.device, out = decode_rows(self.params, self.device, want, jnp.asarray(rows, jnp.int32),
-                                               config=self.config, precision=self.precision, kv_len=kv_len)
+                                               config=self.config, precision=self.precision, kv_len=kv_len,
+                                               row_invariant=self.batch_invariant)
             outputs.append(out)
         return outputs
 

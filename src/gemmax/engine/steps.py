@@ -1,7 +1,14 @@
 """The jitted device steps of the batching engine: prefill of one chunk into one slot, a decode step
 of every slot, and a decode step of a group of slots, over one `DeviceState` pytree that each
 donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads) as static arguments, so the
-engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up."""
+engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up.
+
+Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
+rows at once (a GEMM), which sums in another order than the one-row matrix-vector form, so a greedy
+text can change at a near-tie with what shares its batch (docs/server.md). With `row_invariant` the
+decode steps compute each row as the one-row step does, one row after another: a row's logits are
+then bit-identical whatever the group size, the other rows and the KV-length bound (tested), at the
+cost of one weight read per row (about a single stream's speed per row)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from gemmax.engine.sampling import SamplingState, sample, set_row
 from gemmax.model.config import ModelConfig
@@ -69,12 +77,32 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     return device, (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
-def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len):
+def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant):
+    """forward of one new token per row: tokens, positions, active [B] -> (logits [B, V], cache).
+    `row_invariant`: row by row, each exactly the one-row computation (module docstring)."""
+    if not row_invariant or tokens.shape[0] == 1:
+        return forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32), config=config,
+                       precision=precision, kv_len=kv_len)
+    logits = []
+    for b in range(tokens.shape[0]):
+        row = (tokens[b : b + 1], positions[b : b + 1], active[b : b + 1])
+        if logits:
+            # Row b's inputs depend on row b-1's logits: XLA can neither merge the rows' products into
+            # one GEMM (its dot merger) nor fuse across rows, so every row compiles as a one-row step.
+            logits[-1], row = lax.optimization_barrier((logits[-1], row))
+        row_logits, row_cache = forward(params, cache.rows(b), row[0][:, None], row[1], row[2].astype(jnp.int32),
+                                        config=config, precision=precision, kv_len=kv_len)
+        cache = cache.put_rows(row_cache, b)
+        logits.append(row_logits)
+    return jnp.concatenate(logits, axis=0), cache
+
+
+def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
     """One decode step for every row of `device`. Rows with remaining == 0 are idle: they write
     nothing and keep their token, position and sampling state."""
     active = device.remaining > 0
-    logits, cache = forward(params, device.cache, device.tokens[:, None], device.positions,
-                            active.astype(jnp.int32), config=config, precision=precision, kv_len=kv_len)
+    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, active, config,
+                                  precision, kv_len, row_invariant)
     ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active)
     ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
@@ -83,15 +111,19 @@ def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_le
     return device, (ids, lp, top_ids, top_lp, active)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
-def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None):
+_DECODE_STATIC = ("config", "precision", "kv_len", "row_invariant")
+
+
+@functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
+def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None, row_invariant=False):
     """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
     Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
-    return _decode(params, device, want_logprobs, config, precision, kv_len)
+    return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
-def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None):
+@functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
+def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None,
+                row_invariant=False):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
     on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
@@ -103,7 +135,7 @@ def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, pre
     sub = DeviceState(cache=device.cache.gather(rows, kv_len), sampling=jax.tree.map(per_row, device.sampling),
                       tokens=per_row(device.tokens), positions=per_row(device.positions),
                       remaining=per_row(device.remaining))
-    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len)
+    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len, row_invariant)
     put = lambda a, b: a.at[rows].set(b)  # noqa: E731
     device = DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len),
                          sampling=jax.tree.map(put, device.sampling, sub.sampling), tokens=put(device.tokens, sub.tokens),
