@@ -14,6 +14,7 @@ import json
 import re
 import socket
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import boto3
@@ -128,7 +129,7 @@ def test_zone_fallback_boot_timeline_benchmark_terminate(aws):
                 bench = await call("deploy_benchmark", name="l4-spot", input_lens=[8], output_len=4, repeats=1)
                 (cell,) = bench["cells"]
                 assert (cell["completed"], cell["failed"]) == (1, 0) and cell["decode_tok_s"] > 0
-                assert json.loads(open(bench["path"]).read())["config"]["price_per_hour"] == record.aws.price_per_hour
+                assert json.loads(Path(bench["path"]).read_text())["config"]["price_per_hour"] == record.aws.price_per_hour
                 cost = await call("deploy_cost", name="l4-spot")
                 (row,) = cost["deployments"]
                 assert row["market"] == "spot" and row["cost_usd"] == pytest.approx(
