@@ -48,10 +48,10 @@ class Deployer:
         return self.aws.launch(name, **options)
 
     def launch_ssh(self, name: str, host: SshHost, install: str | None = None, python: str = "python3",
-                   **options: Any) -> RemoteDeployment:
+                   venv: str = ".gemmax/venv", **options: Any) -> RemoteDeployment:
         async def go():
             if install:
-                await self.ssh.install(host, install, python)
+                await self.ssh.install(host, install, python, venv)
             return await self.ssh.start(name, host, **options)
 
         return timeline.run_sync(go())

@@ -2,7 +2,8 @@
 and a tunnel to the server's port.
 
 The server runs on the host under `setsid nohup`, detached from the SSH session, its pid and log in
-the deployment's directory on the host (`~/.gemmax/deployments/NAME`); it binds the host's loopback,
+the deployment's directory on the host (`.gemmax/deployments/NAME`: paths on the host are relative to
+the login directory, as an SSH command starts there); it binds the host's loopback,
 and this machine reaches it through an SSH tunnel (a local port forwarded to it), so nothing is
 exposed on the host's network. The host key is checked against known_hosts (yours, or the file
 given); keys come from the file given, the SSH agent or ~/.ssh.
@@ -72,10 +73,11 @@ class SshTarget:
         self.registry = registry
 
     async def install(self, host: SshHost, package: str = "gemmax", python: str = "python3",
-                      venv: str = "~/.gemmax/venv") -> dict[str, Any]:
+                      venv: str = ".gemmax/venv") -> dict[str, Any]:
         """Create VENV on the host if missing, then `pip install --upgrade PACKAGE` into it."""
-        command = (f"test -x {venv}/bin/python || {shlex.quote(python)} -m venv {venv}; "
-                   f"{venv}/bin/python -m pip install --upgrade --disable-pip-version-check {shlex.quote(package)}")
+        py = shlex.quote(f"{venv}/bin/python")
+        command = (f"test -x {py} || {shlex.quote(python)} -m venv {shlex.quote(venv)}; "
+                   f"{py} -m pip install --upgrade --disable-pip-version-check {shlex.quote(package)}")
         async with connect(host) as conn:
             status, out, err = await run(conn, command, check=False)
         if status != 0:
@@ -85,22 +87,28 @@ class SshTarget:
 
     async def start(self, name: str, host: SshHost, *, model: str, port: int, serve_args: list[str],
                     command: list[str] | None = None, env: dict[str, str] | None = None,
-                    wait: bool = True, timeout_s: float = 600.0) -> RemoteDeployment:
-        """Start `gemmax serve` (or COMMAND) on the host, detached; with `wait`, time its boot through a tunnel."""
+                    cache_url: str | None = None, wait: bool = True, timeout_s: float = 600.0) -> RemoteDeployment:
+        """Restore the compile cache from CACHE_URL (if given), start `gemmax serve` (or COMMAND) on the
+        host, detached; with `wait`, time its boot through a tunnel."""
         from gemmax.deploy import timeline
 
         argv = command or [*shlex.split(host.gemmax), "serve", "--host", "127.0.0.1", "--port", str(port),
                            "--model", model, *serve_args]
         record = RemoteDeployment(name=name, target="ssh", state="launching", model=model, port=port,
-                                  created=time.time(), ssh=host, timeline={"requested": 0.0})
+                                  created=time.time(), ssh=host, cache_url=cache_url, timeline={"requested": 0.0})
         self.registry.add(record)
         pid_file, log = _paths(host)
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
-        script = (f"mkdir -p {shlex.quote(host.remote_dir)} && cd {shlex.quote(host.remote_dir)} && {exports}"
+        script = (f"mkdir -p {shlex.quote(host.remote_dir)} && {exports}"
                   f"(setsid nohup {shlex.join(argv)} >> {shlex.quote(log)} 2>&1 < /dev/null & echo $! > {shlex.quote(pid_file)})"
                   f" && cat {shlex.quote(pid_file)}")
         try:
             async with connect(host) as conn:
+                if cache_url:
+                    restore = shlex.join([*shlex.split(host.gemmax), "cache", "import", cache_url])
+                    status, _, err = await run(conn, exports + restore, check=False)
+                    self.registry.event(name, "cache_restored" if status == 0 else "cache_restore_failed",
+                                        **({} if status == 0 else {"cache_restore_error": err.strip()[-500:]}))
                 _, out, _ = await run(conn, script)
                 self.registry.event(name, "running", pid=int(out.strip()))
                 record = self.registry.update(name, state="booting", base_url=f"http://127.0.0.1:{port}")

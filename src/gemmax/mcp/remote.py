@@ -59,7 +59,7 @@ class SshOptions(BaseModel):
     known_hosts: str | None = Field(None, description="known_hosts file (default ~/.ssh/known_hosts)")
     install: str | None = Field(None, description="pip-install or update this package spec into VENV first (e.g. 'gemmax[cuda]')")
     python: str = Field("python3", description="the host's python, to create VENV")
-    venv: str = Field("~/.gemmax/venv", description="where gemmax lives on the host")
+    venv: str = Field(".gemmax/venv", description="where gemmax lives on the host (relative: to the login directory)")
     gemmax: str | None = Field(None, description="the gemmax command on the host (default VENV/bin/gemmax)")
     command: list[str] | None = Field(None, description="run this instead of `gemmax serve ...` (it must serve PORT on loopback)")
     env: dict[str, str] | None = Field(None, description="environment for the server on the host")
@@ -115,13 +115,11 @@ def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str,
     if ssh is None:
         raise DeployError("target ssh needs the ssh options (host, ...)")
     host = SshHost(host=ssh.host, port=ssh.port, username=ssh.username, client_key=ssh.client_key,
-                   known_hosts=ssh.known_hosts, remote_dir=f"~/.gemmax/deployments/{name}",
+                   known_hosts=ssh.known_hosts, remote_dir=f".gemmax/deployments/{name}",
                    gemmax=ssh.gemmax or f"{ssh.venv}/bin/gemmax")
-    record = deployer().launch_ssh(name, host, install=ssh.install, python=ssh.python, model=model, port=port,
+    record = deployer().launch_ssh(name, host, install=ssh.install, python=ssh.python, venv=ssh.venv, model=model, port=port,
                                    serve_args=serve_args or [], command=ssh.command, env=ssh.env,
-                                   wait=wait, timeout_s=timeout_s)
-    if cache_url:
-        record = deployer().registry.update(name, cache_url=cache_url)
+                                   cache_url=cache_url, wait=wait, timeout_s=timeout_s)
     return LaunchResult(target="ssh", remote=record)
 
 
