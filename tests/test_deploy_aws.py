@@ -13,6 +13,7 @@ import base64
 import json
 import re
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -112,6 +113,7 @@ def test_zone_fallback_boot_timeline_benchmark_terminate(aws):
         assert "ExecStartPre=/opt/gemmax/bin/gemmax policy" in script  # the device policy, logged first
         assert "serve --host 0.0.0.0 --port 8000 --model google/gemma-3-270m --max-batch 4" in script
         assert "systemctl enable --now gemmax.service" in script and SECRET not in script
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # it parses
 
         outputs = []
 
@@ -134,6 +136,8 @@ def test_zone_fallback_boot_timeline_benchmark_terminate(aws):
                 (row,) = cost["deployments"]
                 assert row["market"] == "spot" and row["cost_usd"] == pytest.approx(
                     row["instance_hours"] * record.aws.price_per_hour, abs=1e-4)
+                console = await call("deploy_logs", name="l4-spot", tail=5)
+                assert isinstance(console["result"], list) and 0 < len(console["result"]) <= 5
                 listed = await call("deploy_list")
                 assert [r["name"] for r in listed["remote"]] == ["l4-spot"]
                 done = await call("deploy_terminate", name="l4-spot")

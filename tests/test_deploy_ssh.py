@@ -15,6 +15,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import subprocess
 import sys
 import tarfile
 import threading
@@ -22,7 +23,9 @@ import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
 import asyncssh
+import httpx
 import psutil
 import pytest
 from mcp import Client
@@ -177,6 +180,18 @@ async def test_install_start_status_logs_bench_cache_stop_over_ssh(ssh_host):
         restored = ok(await client.call_tool("deploy_cache_restore", {"name": "box"}))
         assert "restored 2 files" in restored["result"]["output"]
         assert {k: v for k, v in cache_files(xla).items()} == entries
+
+        tunnel = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "deploy", "tunnel", "box"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            with anyio.fail_after(60):
+                url = (await anyio.to_thread.run_sync(tunnel.stdout.readline)).strip()
+            assert url.startswith("http://127.0.0.1:"), tunnel.stderr.read() if tunnel.poll() is not None else url
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(f"{url}/v1/models")).json()["data"][0]["id"] == "fake"
+        finally:
+            tunnel.terminate()
+            tunnel.wait(10)
 
         done = ok(await client.call_tool("deploy_terminate", {"name": "box"}))
         assert done["deployment"]["state"] == "stopped" and done["cache_push"]["pushed"] is True

@@ -343,6 +343,30 @@ def deploy_logs(name: str, tail: int = typer.Option(100, min=1)) -> None:
     _deploy_run(remote.deploy_logs, name, tail)
 
 
+@deploy_app.command("tunnel")
+def deploy_tunnel(name: str) -> None:
+    """Hold an SSH tunnel to an ssh deployment's port (or print an aws one's address) until Ctrl-C; the
+    first line printed is the URL to use from this machine."""
+    import asyncio
+
+    from gemmax.deploy.service import Deployer
+    from gemmax.mcp.remote import DeployError
+
+    async def hold() -> None:
+        async with Deployer().endpoint(name) as (_, url):
+            typer.echo(url)
+            sys.stdout.flush()
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(hold())
+    except DeployError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
 @deploy_app.command("bench")
 def deploy_bench(name: str, input_len: list[int] = typer.Option([], help="repeatable"),
                  output_len: int = typer.Option(None), repeats: int = typer.Option(None),
