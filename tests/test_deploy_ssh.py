@@ -215,7 +215,9 @@ async def test_unknown_host_key_is_refused(ssh_host, tmp_path):
         message = error(await client.call_tool("deploy_launch", {
             "target": "ssh", "name": "spoofed", "model": "m", "port": free_port(), "timeout_s": 3,
             "ssh": {**ssh_host.options, "known_hosts": str(tmp_path / "known_hosts")}}))
-    assert "Host key is not trusted" in message or "host key" in message.lower()
+        listed = {r["name"]: r for r in ok(await client.call_tool("deploy_list", {}))["remote"]}
+    assert f"ssh 127.0.0.1:{ssh_host.port}: Host key is not trusted for host 127.0.0.1" in message
+    assert listed["spoofed"]["state"] == "failed" and "running" not in listed["spoofed"]["timeline"]
 
 
 def free_port() -> int:

@@ -43,7 +43,8 @@ async def connect(host: SshHost):
         async with asyncssh.connect(host.host, **options) as conn:
             yield conn
     except (OSError, asyncssh.Error) as exc:
-        raise DeployError(f"ssh {host.username or ''}@{host.host}:{host.port}: {exc}") from None
+        user = f"{host.username}@" if host.username else ""
+        raise DeployError(f"ssh {user}{host.host}:{host.port}: {exc}") from None
 
 
 async def run(conn, command: str, check: bool = True, timeout_s: float = 600.0) -> tuple[int, str, str]:
