@@ -277,7 +277,7 @@ def _deploy_run(fn, *args, **kwargs) -> None:
 @deploy_app.command("launch")
 def deploy_launch(
     name: str = typer.Argument(..., help="deployment name"),
-    model: str = typer.Option(..., help="checkpoint path / hub id on the target"),
+    model: str = typer.Option("builtin", help="checkpoint path / hub id on the target; builtin: the built-in model"),
     target: str = typer.Option("aws", help="local, ssh or aws"),
     port: int = typer.Option(8000, min=1, max=65535),
     serve_arg: list[str] = typer.Option([], help="extra `gemmax serve` argument (repeatable)"),

@@ -19,6 +19,7 @@ from typing import Any
 
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry, RemoteDeployment, SshHost
+from gemmax.deploy.userdata import model_args
 
 
 def _asyncssh():
@@ -94,7 +95,7 @@ class SshTarget:
         from gemmax.deploy import timeline
 
         argv = command or [*shlex.split(host.gemmax), "serve", "--host", "127.0.0.1", "--port", str(port),
-                           "--model", model, *serve_args]
+                           *model_args(model), *serve_args]
         record = RemoteDeployment(name=name, target="ssh", state="launching", model=model, port=port,
                                   created=time.time(), ssh=host, cache_url=cache_url, timeline={"requested": 0.0})
         self.registry.add(record)

@@ -14,6 +14,11 @@ from __future__ import annotations
 import shlex
 
 CACHE_DIR = "/var/cache/gemmax"
+BUILTIN = "builtin"  # a deployment's model when `gemmax serve` gets no --model (the built-in Gemma 3 270M)
+
+
+def model_args(model: str) -> list[str]:
+    return [] if model == BUILTIN else ["--model", model]
 VENV = "/opt/gemmax"
 
 
@@ -21,7 +26,7 @@ def user_data(*, model: str, port: int, package: str, cache_url: str | None, ser
               api_key_env: str | None = None) -> str:
     """The script, as text (boto3 base64-encodes it)."""
     gemmax = f"{VENV}/bin/gemmax"
-    serve = shlex.join([gemmax, "serve", "--host", "0.0.0.0", "--port", str(port), "--model", model, *serve_args])
+    serve = shlex.join([gemmax, "serve", "--host", "0.0.0.0", "--port", str(port), *model_args(model), *serve_args])
     restore = (f"{gemmax} cache import {shlex.quote(cache_url)} || echo 'no compile cache at {cache_url} yet'"
                if cache_url else "echo 'no compile cache URL: compiling at start'")
     push = f"ExecStopPost=-{gemmax} cache export {shlex.quote(cache_url)}" if cache_url else ""
@@ -30,7 +35,7 @@ def user_data(*, model: str, port: int, package: str, cache_url: str | None, ser
 # gemmax deployment (gemmax.deploy.userdata): install, restore the compile cache, serve under systemd.
 set -euxo pipefail
 exec > >(tee -a /var/log/gemmax-user-data.log) 2>&1
-export GEMMAX_COMPILE_CACHE={CACHE_DIR}
+export HOME="${{HOME:-/root}}" GEMMAX_COMPILE_CACHE={CACHE_DIR}
 python3 -m venv {VENV}
 {VENV}/bin/pip install --upgrade pip
 {VENV}/bin/pip install --upgrade {shlex.quote(package)}
@@ -44,7 +49,7 @@ Wants=network-online.target
 
 [Service]
 Environment=GEMMAX_COMPILE_CACHE={CACHE_DIR}
-Environment=PYTHONUNBUFFERED=1
+Environment=PYTHONUNBUFFERED=1 HOME=/root
 {key_line}
 ExecStartPre={gemmax} policy
 ExecStart={serve}

@@ -90,11 +90,12 @@ class BenchmarkResult(BaseModel):
     flags: list[str]
 
 
-def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str,
+def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str = "builtin",
                   port: Annotated[int, Field(ge=1, le=65535)] = 8000, serve_args: list[str] | None = None,
                   cache_url: str | None = None, aws: AwsOptions | None = None, ssh: SshOptions | None = None,
                   wait: bool = True, timeout_s: Annotated[float, Field(gt=0)] = 1200.0) -> LaunchResult:
-    """Launch `gemmax serve` for MODEL on a target: local (a process here, as start_deployment), ssh (a
+    """Launch `gemmax serve` for MODEL (a path or hub id on the target; "builtin": the built-in Gemma 3
+    270M, no download) on a target: local (a process here, as start_deployment), ssh (a
     host: optional install, then a detached server reached through an SSH tunnel) or aws (EC2, spot by
     default, zone by zone on capacity errors, each attempt reported; user data installs gemmax, restores
     the compile cache from CACHE_URL and serves under systemd). With WAIT, returns once /health is 200
