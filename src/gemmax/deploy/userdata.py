@@ -36,7 +36,7 @@ def user_data(*, model: str, port: int, package: str, cache_url: str | None, ser
 set -euxo pipefail
 exec > >(tee -a /var/log/gemmax-user-data.log) 2>&1
 export HOME="${{HOME:-/root}}" GEMMAX_COMPILE_CACHE={CACHE_DIR}
-python3 -m venv {VENV}
+python3 -m venv {VENV} || {{ apt-get update -q && apt-get install -y -q python3-venv && python3 -m venv {VENV}; }}
 {VENV}/bin/pip install --upgrade pip
 {VENV}/bin/pip install --upgrade {shlex.quote(package)}
 mkdir -p {CACHE_DIR}
@@ -60,6 +60,7 @@ Restart=on-failure
 [Install]
 WantedBy=multi-user.target
 UNIT
+chmod 600 /etc/systemd/system/gemmax.service  # it holds the server's API key
 systemctl daemon-reload
 systemctl enable --now gemmax.service
 """
