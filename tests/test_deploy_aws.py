@@ -263,3 +263,20 @@ def test_cli_deploy_list_and_cost(aws):
     assert cost["instance_hours"] == pytest.approx(sum(r["instance_hours"] for r in cost["deployments"]), abs=1e-3)
     missing = runner.invoke(app, ["deploy", "status", "ghost"])
     assert missing.exit_code == 1 and "no remote deployment named 'ghost'" in missing.stderr
+
+
+async def test_local_target_is_the_local_manager(aws, tmp_path):
+    """deploy_launch with target local starts a managed process here (the local manager's), listed
+    beside the remote ones and stopped by stop_deployment. Whether it loads is test_mcp's business:
+    the directory here is empty, so the server may exit before the stop."""
+    model = tmp_path
+    async with Client(build_server()) as client:
+        started = ok(await client.call_tool("deploy_launch", {
+            "target": "local", "name": "here", "model": str(model), "port": closed_port(), "wait": False}))
+        assert started["target"] == "local" and started["remote"] is None
+        assert started["local"]["deployment"]["name"] == "here" and started["local"]["deployment"]["rig"] == "gemmax"
+        listed = ok(await client.call_tool("deploy_list", {}))
+        assert [d["deployment"]["name"] for d in listed["local"]] == ["here"]
+        assert "here" not in [r["name"] for r in listed["remote"]]
+        stopped = ok(await client.call_tool("stop_deployment", {"name": "here", "timeout_s": 10}))
+        assert stopped["name"] == "here" and ok(await client.call_tool("deploy_list", {}))["local"] == []

@@ -76,6 +76,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_cache_round_trips_through_s3_and_the_next_start_hits_it(s3, tmp_path):
     model = write_tiny_checkpoint(tmp_path / "ckpt")

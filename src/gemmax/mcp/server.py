@@ -54,7 +54,9 @@ gemmax deployment tools. Typical flow: list_rigs -> verify_device -> fit_check -
 (waits until /health is 200) -> deployment_status / query_model -> run_sweep -> compare_results ->
 stop_deployment; profile_decode shows where a decode step's time goes. Deployments outlive this server and are remembered on disk: list_deployments shows
 what any gemmax MCP server on this machine started, and a deployment whose process died shows as
-"dead" until stop_deployment removes it."""
+"dead" until stop_deployment removes it. Beyond this machine: deploy_launch (target ssh or aws) ->
+deploy_status (boot timeline) -> deploy_benchmark -> deploy_terminate; deploy_cost and deploy_cleanup
+keep the bill and the orphans in check."""
 
 # Failures with a message worth showing the caller; anything else is a bug and the SDK reports it
 # as an opaque crash.
