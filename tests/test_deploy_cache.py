@@ -55,9 +55,15 @@ def s3(tmp_path_factory):
         yield env
 
 
-def gemmax(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gemmax.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GEMMAX_COMPILE_CACHE": str(cache)}, check=True)
+def gemmax(*args: str, cache: Path):
+    """`gemmax ARGS` with the compile cache at CACHE (the CLI in this process: no second JAX start-up)."""
+    from typer.testing import CliRunner
+
+    from gemmax.cli import app
+
+    result = CliRunner().invoke(app, list(args), env={"GEMMAX_COMPILE_CACHE": str(cache)})
+    assert result.exit_code == 0, result.output
+    return result
 
 
 def serve(model: Path, port: int, cache: Path, log: Path) -> subprocess.Popen:
