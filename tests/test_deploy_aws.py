@@ -9,7 +9,9 @@ to end; tests/test_deploy_cache.py does the same with a real `gemmax serve` for 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import re
 import socket
@@ -38,6 +40,22 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serving(app, port: int):
+    """`app` under uvicorn on 127.0.0.1:PORT while the block runs."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task
 
 
 def ok(result) -> dict:
@@ -211,20 +229,28 @@ async def test_never_reachable_times_out_is_terminated_and_failed(aws):
 
 
 async def test_restarted_server_lists_and_terminates_a_booting_deployment(aws):
-    """A launch left booting by one MCP server is listed and terminated by a fresh server process."""
+    """A launch left booting by one MCP server (no wait) is listed by a fresh server process, whose
+    status call completes the boot timeline once /health answers, and which terminates it."""
+    port = closed_port()  # nothing answers there while the first server launches
     async with Client(build_server()) as first:
         started = ok(await first.call_tool("deploy_launch", {
             "target": "aws", "name": "midway", "model": "m", "wait": False,
-            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{closed_port()}")}))
+            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{port}")}))
+    assert started["remote"]["state"] == "booting" and "reachable" not in started["remote"]["timeline"]
     instance_id = started["remote"]["aws"]["instance_id"]
     params = StdioServerParameters(command=sys.executable, args=["-m", "gemmax.cli", "mcp"],
                                    env={**aws.env, "GEMMAX_STATE_DIR": str(aws.state), **inherited_pythonpath()})
     async with Client(params) as second:
         listed = {r["name"]: r for r in ok(await second.call_tool("deploy_list", {}))["remote"]}
         assert listed["midway"]["state"] == "booting" and listed["midway"]["aws"]["instance_id"] == instance_id
+        async with serving(FakeServer(Script()).app, port):  # the instance's server comes up
+            status = ok(await second.call_tool("deploy_status", {"name": "midway"}))
+        assert status["health_status"] == 200 and status["deployment"]["state"] == "ready"
+        t = status["deployment"]["timeline"]
+        assert t["running"] <= t["reachable"] <= t["healthy"]
         done = ok(await second.call_tool("deploy_terminate", {"name": "midway"}))
     assert done["deployment"]["state"] == "terminated"
-    assert done["cache_push"] is None  # never ready, no cache URL: nothing to push
+    assert done["cache_push"] is None  # no cache URL: nothing to push
     assert instance(aws, instance_id)["State"]["Name"] == "terminated"
 
 

@@ -69,9 +69,11 @@ class Deployer:
             code = health = None
             if record.active and record.base_url and state == "running":
                 code, health = timeline.run_sync(timeline.probe(record.base_url, record.api_key))
-                if code == 200 and record.state == "booting":
-                    self.registry.event(name, "healthy", **timeline.cache_figures(health or {}))
-                    record = self.registry.update(name, state="ready")
+                if record.state == "booting" and code is not None:  # a launch without wait, completed here
+                    self.registry.event(name, "reachable")
+                    if code == 200:
+                        self.registry.event(name, "healthy", **timeline.cache_figures(health or {}))
+                        record = self.registry.update(name, state="ready")
         else:
             found = timeline.run_sync(self.ssh.status(record))
             state, code, health = found["process"], found["health_status"], found["health"]
