@@ -306,3 +306,20 @@ async def test_local_target_is_the_local_manager(aws, tmp_path):
         assert "here" not in [r["name"] for r in listed["remote"]]
         stopped = ok(await client.call_tool("stop_deployment", {"name": "here", "timeout_s": 10}))
         assert stopped["name"] == "here" and ok(await client.call_tool("deploy_list", {}))["local"] == []
+
+
+async def test_missing_credentials_are_a_clear_error(aws, monkeypatch, tmp_path):
+    """Credentials come only from boto3's chain; with none anywhere the tools say so (the instance
+    metadata service is off in these tests, so the chain's last step stays on this machine)."""
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    async with Client(build_server()) as client:
+        message = error(await client.call_tool("deploy_cleanup", {}))
+        assert "AWS: NoCredentialsError: Unable to locate credentials" in message and "aws sso login" in message
+        message = error(await client.call_tool("deploy_launch", {
+            "target": "aws", "name": "nocreds", "model": "m", "aws": aws_options(aws)}))
+        assert "NoCredentialsError" in message
+        listed = {r["name"]: r for r in ok(await client.call_tool("deploy_list", {}))["remote"]}
+    assert listed["nocreds"]["state"] == "failed" and listed["nocreds"]["aws"]["instance_id"] is None

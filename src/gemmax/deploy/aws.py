@@ -18,6 +18,7 @@ instance tagged `gemmax:deployment` that the registry does not know as live is a
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Any, Literal
@@ -58,6 +59,26 @@ def _error(exc: Exception) -> tuple[str, str]:
     return err.get("Code", type(exc).__name__), err.get("Message", str(exc))
 
 
+def aws_errors(fn):
+    """Turn the AWS SDK's errors (an API error, no credentials, no endpoint) into a DeployError that
+    says what AWS answered; never the credentials, which the SDK does not put in its messages."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DeployError:
+            raise
+        except Exception as exc:
+            if not type(exc).__module__.startswith("botocore"):
+                raise
+            code, message = _error(exc)
+            if code == "NoCredentialsError":
+                message += " (gemmax uses boto3's standard chain: aws sso login / AWS_PROFILE / environment / role)"
+            raise DeployError(f"AWS: {code}: {message}") from None
+
+    return wrapped
+
+
 def _tags(name: str) -> list[dict[str, str]]:
     return [{"Key": TAG, "Value": name}, {"Key": "Name", "Value": f"gemmax-{name}"}]
 
@@ -76,6 +97,7 @@ class AwsTarget:
 
     # ------------------------------------------------------------------ launch
 
+    @aws_errors
     def launch(self, name: str, *, model: str, instance_type: str, zones: list[str], image_id: str,
                region: str | None = None, market: Literal["spot", "on-demand"] = "spot", port: int = 8000,
                package: str = "gemmax[cuda,aws]", cache_url: str | None = None, serve_args: list[str] | None = None,
@@ -87,7 +109,7 @@ class AwsTarget:
             raise DeployError("give at least one availability zone")
         ec2 = self.ec2(region)
         region = ec2.meta.region_name
-        cost.check_caps(self.registry.records(), planned_hours, caps or cost.Caps.from_env())
+        caps = caps or cost.Caps.from_env()
         api_key = secrets.token_urlsafe(24)
         script = user_data(model=model, port=port, package=package, cache_url=cache_url,
                            serve_args=list(serve_args or []), api_key_env=api_key)
@@ -95,7 +117,7 @@ class AwsTarget:
             name=name, target="aws", state="launching", model=model, port=port, cache_url=cache_url,
             created=time.time(), planned_hours=planned_hours, api_key=api_key, timeline={"requested": 0.0},
             aws=AwsInstance(region=region, instance_type=instance_type, market=market, image_id=image_id))
-        self.registry.add(record)
+        self.registry.add(record, guard=lambda records: cost.check_caps(records, planned_hours, caps))
         attempts: list[Attempt] = []
         instance = None
         for zone in zones:
@@ -140,7 +162,10 @@ class AwsTarget:
         zone = instance["Placement"]["AvailabilityZone"]
         price, source = cost.on_demand_price(instance_type), "on-demand list price (us-east-1 table)"
         if market == "spot":
-            spot = cost.spot_price(ec2, instance_type, zone)
+            try:
+                spot = cost.spot_price(ec2, instance_type, zone)
+            except Exception as exc:  # no permission for the history: priced at on demand, and said so
+                spot, source = None, f"on-demand list price (spot price history unavailable: {_error(exc)[0]})"
             if spot is not None:
                 price, source = spot, f"spot price history, {zone}, at launch"
         aws = record.aws.model_copy(update={"attempts": attempts, "zone": zone, "instance_id": instance["InstanceId"],
@@ -158,6 +183,7 @@ class AwsTarget:
             return record
         return self.wait_ready(name, timeout_s)
 
+    @aws_errors
     def wait_ready(self, name: str, timeout_s: float) -> RemoteDeployment:
         record = self.registry.get(name)
         left = max(timeout_s - (time.time() - record.created), 1.0)
@@ -192,6 +218,7 @@ class AwsTarget:
 
     # ------------------------------------------------------------------ status, cache, terminate
 
+    @aws_errors
     def describe(self, record: RemoteDeployment) -> dict[str, Any] | None:
         ec2 = self.ec2(record.aws.region)
         try:
@@ -203,6 +230,14 @@ class AwsTarget:
             raise DeployError(f"DescribeInstances: {code}: {message}") from None
         return reservations[0]["Instances"][0] if reservations else None
 
+    @aws_errors
+    def console(self, record: RemoteDeployment, tail: int) -> list[str]:
+        """The last TAIL lines of the instance's console output (user data, then the service)."""
+        output = self.ec2(record.aws.region).get_console_output(InstanceId=record.aws.instance_id,
+                                                                Latest=True).get("Output") or ""
+        return output.splitlines()[-tail:]
+
+    @aws_errors
     def push_cache(self, record: RemoteDeployment, timeout_s: float = 600.0) -> dict[str, Any]:
         """Run `gemmax cache export CACHE_URL` on the instance through SSM Run Command and wait for it."""
         if not record.cache_url:
@@ -230,6 +265,7 @@ class AwsTarget:
         return {"pushed": status == "Success", "method": "ssm", "command_id": command_id, "status": status,
                 "command": command}
 
+    @aws_errors
     def terminate(self, name: str, push_cache: bool = True, wait: bool = True, timeout_s: float = 600.0,
                   state: str = "terminated") -> RemoteDeployment:
         record = self.registry.get(name)
@@ -251,6 +287,7 @@ class AwsTarget:
             timeline_["cache_push"] = push
         return self.registry.update(name, state=state, ended=time.time(), timeline=timeline_)
 
+    @aws_errors
     def cleanup(self, region: str | None, terminate: bool = True) -> list[dict[str, Any]]:
         """Instances tagged gemmax:deployment that the registry does not know as live (orphans): listed,
         and terminated unless `terminate` is false."""

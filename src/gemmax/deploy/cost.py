@@ -84,6 +84,7 @@ def cost_of(record: RemoteDeployment, now: float | None = None) -> dict[str, obj
     price = record.aws.price_per_hour if record.aws else None
     return {"name": record.name, "target": record.target, "state": record.state,
             "instance_type": record.aws.instance_type if record.aws else None,
+            "gpu": GPU_OF.get(record.aws.instance_type.split(".")[0]) if record.aws else None,
             "market": record.aws.market if record.aws else None,
             "instance_hours": round(hours, 4), "price_per_hour": price,
             "price_source": record.aws.price_source if record.aws else None,

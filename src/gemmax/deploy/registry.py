@@ -3,7 +3,8 @@
 Every remote resource is written here before anything else happens to it (an EC2 instance id is
 recorded the moment `RunInstances` answers, before the boot is waited for), so a crash, a restarted
 MCP server or a second process still sees it and can terminate it. Ended deployments stay (their
-instance-hours count against the guard rails and `cost` reports them); `forget` drops a record.
+instance-hours count against the guard rails and `cost` reports them); a new launch of the same name
+replaces an ended record.
 Writes take an exclusive `flock` and replace the file atomically.
 """
 
@@ -14,7 +15,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -128,8 +129,12 @@ class Registry:
             raise DeployError(f"no remote deployment named {name!r} (known: {', '.join(sorted(records)) or 'none'})")
         return records[name]
 
-    def add(self, record: RemoteDeployment) -> None:
+    def add(self, record: RemoteDeployment, guard: Callable[[list[RemoteDeployment]], None] | None = None) -> None:
+        """Record a new deployment; `guard` sees every record under the lock first and may refuse (the
+        caps are checked here, so two launches at once cannot both pass them)."""
         with self._locked() as records:
+            if guard is not None:
+                guard(list(records.values()))
             if (name_taken := records.get(record.name)) and name_taken.active:
                 raise DeployError(f"deployment {record.name!r} exists and is {name_taken.state}: "
                                   "terminate it first or pick another name")
@@ -151,9 +156,3 @@ class Registry:
             record.timeline.update(extra)
             records[name] = record
         return record
-
-    def forget(self, name: str) -> None:
-        with self._locked() as records:
-            if name in records and records[name].active:
-                raise DeployError(f"deployment {name!r} is {records[name].state}: terminate it before forgetting it")
-            records.pop(name, None)

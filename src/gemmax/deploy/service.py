@@ -85,9 +85,7 @@ class Deployer:
         record = self.registry.get(name)
         if record.target == "ssh":
             return timeline.run_sync(self.ssh.logs(record, tail))
-        ec2 = self.aws.ec2(record.aws.region)
-        output = ec2.get_console_output(InstanceId=record.aws.instance_id, Latest=True).get("Output") or ""
-        return output.splitlines()[-tail:]
+        return self.aws.console(record, tail)
 
     # ------------------------------------------------------------------ reach it
 
