@@ -26,7 +26,7 @@ from mcp import Client, StdioServerParameters
 
 from bench_fake_server import FakeServer, Script
 from deploy_support import SECRET, inherited_pythonpath, inject_capacity_errors, moto_server
-from gemmax.deploy.aws import TAG, AwsTarget
+from gemmax.deploy.aws import TAG, AwsSpec, AwsTarget
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry
 from gemmax.mcp.server import build_server
@@ -104,9 +104,9 @@ def test_zone_fallback_boot_timeline_benchmark_terminate(aws):
                                          "us-east-1b": "SpotMaxPriceTooLow"})
     target = AwsTarget(Registry(aws.state), ec2_client=ec2)
     with FakeServer(Script(ttft=0.01, itl=0.002)).in_thread() as fake:
-        record = target.launch("l4-spot", model="google/gemma-3-270m", instance_type="g6.xlarge", zones=ZONES,
-                               image_id=aws.image, cache_url="s3://gemmax-cache/g6.tar.gz",
-                               serve_args=["--max-batch", "4"], endpoint=fake.base_url, timeout_s=60)
+        spec = AwsSpec(instance_type="g6.xlarge", zones=ZONES, image_id=aws.image, endpoint=fake.base_url)
+        record = target.launch("l4-spot", spec, model="google/gemma-3-270m", cache_url="s3://gemmax-cache/g6.tar.gz",
+                               serve_args=["--max-batch", "4"], timeout_s=60)
         assert asked == ZONES
         attempts = [(a.zone, a.ok, a.error_code) for a in record.aws.attempts]
         assert attempts == [("us-east-1a", False, "InsufficientInstanceCapacity"),
@@ -152,6 +152,7 @@ def test_zone_fallback_boot_timeline_benchmark_terminate(aws):
                 assert json.loads(Path(bench["path"]).read_text())["config"]["price_per_hour"] == record.aws.price_per_hour
                 cost = await call("deploy_cost", name="l4-spot")
                 (row,) = cost["deployments"]
+                assert row["gpu"] == "NVIDIA L4 24 GB"
                 assert row["market"] == "spot" and row["cost_usd"] == pytest.approx(
                     row["instance_hours"] * record.aws.price_per_hour, abs=1e-4)
                 console = await call("deploy_logs", name="l4-spot", tail=5)
@@ -179,8 +180,8 @@ def test_no_capacity_in_any_zone_is_reported_per_zone(aws):
     inject_capacity_errors(ec2, {z: "InsufficientInstanceCapacity" for z in ZONES[:2]})
     registry = Registry(aws.state)
     with pytest.raises(DeployError) as raised:
-        AwsTarget(registry, ec2_client=ec2).launch("t4-none", model="m", instance_type="g4dn.xlarge",
-                                                   zones=ZONES[:2], image_id=aws.image, market="on-demand")
+        spec = AwsSpec(instance_type="g4dn.xlarge", zones=ZONES[:2], image_id=aws.image, market="on-demand")
+        AwsTarget(registry, ec2_client=ec2).launch("t4-none", spec, model="m")
     message = str(raised.value)
     assert "no on-demand capacity for g4dn.xlarge in us-east-1a, us-east-1b" in message
     assert message.count("InsufficientInstanceCapacity") == 2

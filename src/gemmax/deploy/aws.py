@@ -23,6 +23,8 @@ import secrets
 import time
 from typing import Any, Literal
 
+from pydantic import BaseModel, Field
+
 from gemmax.deploy import cost, timeline
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Attempt, AwsInstance, Registry, RemoteDeployment
@@ -83,6 +85,47 @@ def _tags(name: str) -> list[dict[str, str]]:
     return [{"Key": TAG, "Value": name}, {"Key": "Name", "Value": f"gemmax-{name}"}]
 
 
+class AwsSpec(BaseModel):
+    """Where and how to launch on EC2."""
+
+    instance_type: str = Field(description="e.g. g6.xlarge (L4), g4dn.xlarge (T4), p5.48xlarge (H100)")
+    zones: list[str] = Field(min_length=1, description="availability zones tried in order; a capacity error moves to the next")
+    image_id: str = Field(description="AMI with NVIDIA drivers and python3 (e.g. an AWS Deep Learning Base AMI)")
+    region: str | None = Field(None, description="default: boto3's configured region")
+    market: Literal["spot", "on-demand"] = "spot"
+    package: str = Field("gemmax[cuda,aws]", description="what the instance pip-installs")
+    key_name: str | None = None
+    security_group_ids: list[str] | None = None
+    subnet_ids: dict[str, str] | None = Field(None, description="zone -> subnet id (default: the zone's default subnet)")
+    instance_profile: str | None = Field(None, description="IAM instance profile: S3 access to the cache URL, SSM")
+    endpoint: str | None = Field(None, description="reach the server at this URL instead of http://PUBLIC_IP:PORT")
+    planned_hours: float = Field(1.0, gt=0, description="instance-hours this launch counts against the cap")
+
+
+def _run_request(name: str, spec: AwsSpec, zone: str, user_data_script: str) -> dict[str, Any]:
+    """RunInstances arguments for one zone: every resource it creates tagged gemmax:deployment=NAME."""
+    kinds = ("instance", "volume") + (("spot-instances-request",) if spec.market == "spot" else ())
+    request: dict[str, Any] = {
+        "ImageId": spec.image_id, "InstanceType": spec.instance_type, "MinCount": 1, "MaxCount": 1,
+        "UserData": user_data_script,
+        "TagSpecifications": [{"ResourceType": kind, "Tags": _tags(name)} for kind in kinds],
+    }
+    if spec.subnet_ids and zone in spec.subnet_ids:
+        request["SubnetId"] = spec.subnet_ids[zone]
+    else:
+        request["Placement"] = {"AvailabilityZone": zone}
+    if spec.market == "spot":
+        request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+    if spec.key_name:
+        request["KeyName"] = spec.key_name
+    if spec.security_group_ids:
+        request["SecurityGroupIds"] = spec.security_group_ids
+    if spec.instance_profile:
+        request["IamInstanceProfile"] = {"Name": spec.instance_profile}
+    return request
+
+
 class AwsTarget:
     def __init__(self, registry: Registry, ec2_client=None, ssm_client=None):
         self.registry = registry
@@ -98,48 +141,26 @@ class AwsTarget:
     # ------------------------------------------------------------------ launch
 
     @aws_errors
-    def launch(self, name: str, *, model: str, instance_type: str, zones: list[str], image_id: str,
-               region: str | None = None, market: Literal["spot", "on-demand"] = "spot", port: int = 8000,
-               package: str = "gemmax[cuda,aws]", cache_url: str | None = None, serve_args: list[str] | None = None,
-               key_name: str | None = None, security_group_ids: list[str] | None = None,
-               subnet_ids: dict[str, str] | None = None, instance_profile: str | None = None,
-               endpoint: str | None = None, planned_hours: float = 1.0, caps: cost.Caps | None = None,
-               wait: bool = True, timeout_s: float = 1200.0) -> RemoteDeployment:
-        if not zones:
-            raise DeployError("give at least one availability zone")
-        ec2 = self.ec2(region)
-        region = ec2.meta.region_name
+    def launch(self, name: str, spec: AwsSpec, *, model: str, port: int = 8000, cache_url: str | None = None,
+               serve_args: list[str] | None = None, caps: cost.Caps | None = None, wait: bool = True,
+               timeout_s: float = 1200.0) -> RemoteDeployment:
+        """Launch SPEC serving MODEL on PORT, zone by zone; with `wait`, return once /health is 200."""
+        ec2 = self.ec2(spec.region)
         caps = caps or cost.Caps.from_env()
         api_key = secrets.token_urlsafe(24)
-        script = user_data(model=model, port=port, package=package, cache_url=cache_url,
+        script = user_data(model=model, port=port, package=spec.package, cache_url=cache_url,
                            serve_args=list(serve_args or []), api_key_env=api_key)
         record = RemoteDeployment(
             name=name, target="aws", state="launching", model=model, port=port, cache_url=cache_url,
-            created=time.time(), planned_hours=planned_hours, api_key=api_key, timeline={"requested": 0.0},
-            aws=AwsInstance(region=region, instance_type=instance_type, market=market, image_id=image_id))
-        self.registry.add(record, guard=lambda records: cost.check_caps(records, planned_hours, caps))
+            created=time.time(), planned_hours=spec.planned_hours, api_key=api_key, timeline={"requested": 0.0},
+            aws=AwsInstance(region=ec2.meta.region_name, instance_type=spec.instance_type, market=spec.market,
+                            image_id=spec.image_id))
+        self.registry.add(record, guard=lambda records: cost.check_caps(records, spec.planned_hours, caps))
+        instance_type, market, zones = spec.instance_type, spec.market, spec.zones
         attempts: list[Attempt] = []
         instance = None
         for zone in zones:
-            request: dict[str, Any] = {
-                "ImageId": image_id, "InstanceType": instance_type, "MinCount": 1, "MaxCount": 1, "UserData": script,
-                "TagSpecifications": [{"ResourceType": kind, "Tags": _tags(name)}
-                                      for kind in ("instance", "volume")
-                                      + (("spot-instances-request",) if market == "spot" else ())],
-            }
-            if subnet_ids and zone in subnet_ids:
-                request["SubnetId"] = subnet_ids[zone]
-            else:
-                request["Placement"] = {"AvailabilityZone": zone}
-            if market == "spot":
-                request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-                    "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-            if key_name:
-                request["KeyName"] = key_name
-            if security_group_ids:
-                request["SecurityGroupIds"] = security_group_ids
-            if instance_profile:
-                request["IamInstanceProfile"] = {"Name": instance_profile}
+            request = _run_request(name, spec, zone, script)
             t0 = time.monotonic()
             try:
                 instance = ec2.run_instances(**request)["Instances"][0]
@@ -177,7 +198,7 @@ class AwsTarget:
             return self._fail(record, f"instance never ran: {exc}")
         self.registry.event(name, "running")
         address = running.get("PublicIpAddress") or running.get("PrivateIpAddress")
-        base_url = endpoint.rstrip("/") if endpoint else f"http://{address}:{port}"
+        base_url = spec.endpoint.rstrip("/") if spec.endpoint else f"http://{address}:{port}"
         record = self.registry.update(name, base_url=base_url)
         if not wait:
             return record
@@ -204,7 +225,13 @@ class AwsTarget:
     def _wait_state(ec2, instance_id: str, state: str, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:
-            (reservation,) = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+            try:
+                (reservation,) = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+            except Exception as exc:  # EC2 is eventually consistent: a new id may be unknown for seconds
+                if _error(exc)[0] != "InvalidInstanceID.NotFound" or time.monotonic() > deadline:
+                    raise
+                time.sleep(2.0)
+                continue
             instance = reservation["Instances"][0]
             now = instance["State"]["Name"]
             if now == state:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from gemmax.deploy import cost, timeline
-from gemmax.deploy.aws import AwsTarget
+from gemmax.deploy.aws import AwsSpec, AwsTarget
 from gemmax.deploy.cache import check_url
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry, RemoteDeployment, SshHost, state_dir
@@ -42,10 +42,10 @@ class Deployer:
 
     # ------------------------------------------------------------------ launch
 
-    def launch_aws(self, name: str, **options: Any) -> RemoteDeployment:
+    def launch_aws(self, name: str, spec: AwsSpec, **options: Any) -> RemoteDeployment:
         if options.get("cache_url"):
             check_url(options["cache_url"])
-        return self.aws.launch(name, **options)
+        return self.aws.launch(name, spec, **options)
 
     def launch_ssh(self, name: str, host: SshHost, install: str | None = None, python: str = "python3",
                    venv: str = ".gemmax/venv", **options: Any) -> RemoteDeployment:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from gemmax.deploy import cost
+from gemmax.deploy.aws import AwsSpec
 from gemmax.deploy.cache import check_url
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import RemoteDeployment, SshHost, state_dir
@@ -30,21 +31,9 @@ def deployer() -> Deployer:
     return Deployer(state_dir())
 
 
-class AwsOptions(BaseModel):
-    """Where and how to launch on EC2."""
+class AwsOptions(AwsSpec):
+    """Where and how to launch on EC2, and the caps for this call."""
 
-    instance_type: str = Field(description="e.g. g6.xlarge (L4), g4dn.xlarge (T4), p5.48xlarge (H100)")
-    zones: list[str] = Field(min_length=1, description="availability zones tried in order; a capacity error moves to the next")
-    image_id: str = Field(description="AMI with NVIDIA drivers and python3 (e.g. an AWS Deep Learning Base AMI)")
-    region: str | None = Field(None, description="default: boto3's configured region")
-    market: Literal["spot", "on-demand"] = "spot"
-    package: str = Field("gemmax[cuda,aws]", description="what the instance pip-installs")
-    key_name: str | None = None
-    security_group_ids: list[str] | None = None
-    subnet_ids: dict[str, str] | None = Field(None, description="zone -> subnet id (default: the zone's default subnet)")
-    instance_profile: str | None = Field(None, description="IAM instance profile: S3 access to the cache URL, SSM")
-    endpoint: str | None = Field(None, description="reach the server at this URL instead of http://PUBLIC_IP:PORT")
-    planned_hours: float = Field(1.0, gt=0, description="instance-hours this launch counts against the cap")
     max_instances: int | None = Field(None, ge=1, description="cap on live instances (default $GEMMAX_DEPLOY_MAX_INSTANCES or 2)")
     max_instance_hours: float | None = Field(None, gt=0, description="cap on instance-hours (default $GEMMAX_DEPLOY_MAX_INSTANCE_HOURS or 24)")
 
@@ -108,10 +97,10 @@ def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str 
     if target == "aws":
         if aws is None:
             raise DeployError("target aws needs the aws options (instance_type, zones, image_id)")
-        o = aws.model_dump()
-        caps = cost.Caps.from_env(o.pop("max_instances"), o.pop("max_instance_hours"))
-        record = deployer().launch_aws(name, model=model, port=port, cache_url=cache_url,
-                                       serve_args=serve_args or [], caps=caps, wait=wait, timeout_s=timeout_s, **o)
+        caps = cost.Caps.from_env(aws.max_instances, aws.max_instance_hours)
+        spec = AwsSpec(**aws.model_dump(exclude={"max_instances", "max_instance_hours"}))
+        record = deployer().launch_aws(name, spec, model=model, port=port, cache_url=cache_url,
+                                       serve_args=serve_args or [], caps=caps, wait=wait, timeout_s=timeout_s)
         return LaunchResult(target="aws", remote=record)
     if ssh is None:
         raise DeployError("target ssh needs the ssh options (host, ...)")
