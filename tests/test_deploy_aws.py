@@ -282,10 +282,20 @@ def test_cli_deploy_list_and_cost(aws):
     from gemmax.cli import app
 
     runner = CliRunner()
+    launched = runner.invoke(app, ["deploy", "launch", "from-cli", "--target", "aws", "--instance-type", "g4dn.xlarge",
+                                   "--zone", "us-east-1d", "--image-id", aws.image, "--on-demand", "--no-wait",
+                                   "--endpoint", f"http://127.0.0.1:{closed_port()}"])
+    assert launched.exit_code == 0, launched.output
+    record = json.loads(launched.stdout)["remote"]
+    assert (record["model"], record["aws"]["market"], record["aws"]["zone"]) == ("builtin", "on-demand", "us-east-1d")
+    assert record["aws"]["price_per_hour"] == 0.526 and "api_key" not in record
+    terminated = runner.invoke(app, ["deploy", "terminate", "from-cli", "--no-push"])
+    assert json.loads(terminated.stdout)["deployment"]["state"] == "terminated"
+    assert instance(aws, record["aws"]["instance_id"])["State"]["Name"] == "terminated"
     listed = runner.invoke(app, ["deploy", "list"])
     assert listed.exit_code == 0, listed.output
     names = {r["name"]: r["state"] for r in json.loads(listed.stdout)["remote"]}
-    assert names["dark"] == "failed" and names["midway"] == "terminated"
+    assert names["from-cli"] == "terminated"
     cost = json.loads(runner.invoke(app, ["deploy", "cost"]).stdout)
     assert cost["instance_hours"] == pytest.approx(sum(r["instance_hours"] for r in cost["deployments"]), abs=1e-3)
     missing = runner.invoke(app, ["deploy", "status", "ghost"])

@@ -291,6 +291,7 @@ def deploy_launch(
     security_group: list[str] = typer.Option([], help="aws: security group id (repeatable)"),
     key_name: str = typer.Option(None, help="aws: EC2 key pair"),
     hours: float = typer.Option(1.0, help="aws: instance-hours this launch counts against the cap"),
+    endpoint: str = typer.Option(None, help="aws: reach the server at this URL (a tunnel, a load balancer) instead of PUBLIC_IP:PORT"),
     host: str = typer.Option(None, help="ssh: host"),
     ssh_port: int = typer.Option(22, help="ssh: port"),
     user: str = typer.Option(None, help="ssh: user"),
@@ -308,7 +309,8 @@ def deploy_launch(
             raise typer.BadParameter("target aws needs --zone (one or more) and --image-id")
         aws = remote.AwsOptions(instance_type=instance_type, zones=zone, image_id=image_id, region=region,
                                 market="on-demand" if on_demand else "spot", instance_profile=instance_profile,
-                                security_group_ids=security_group or None, key_name=key_name, planned_hours=hours)
+                                security_group_ids=security_group or None, key_name=key_name, planned_hours=hours,
+                                endpoint=endpoint)
     elif target == "ssh":
         if not host:
             raise typer.BadParameter("target ssh needs --host")
