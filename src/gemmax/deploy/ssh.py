@@ -66,6 +66,11 @@ async def tunnel(conn, port: int) -> AsyncIterator[str]:
         listener.close()
 
 
+# `running $pid`: the process exists and is not a zombie (an exited server whose parent, init in a
+# container that does not reap, never collected it still answers `kill -0`).
+RUNNING = 'running() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ]; }; '
+
+
 def _paths(host: SshHost) -> tuple[str, str]:
     return f"{host.remote_dir}/pid", f"{host.remote_dir}/serve.log"
 
@@ -135,8 +140,8 @@ class SshTarget:
         pid_file, _ = _paths(host)
         steps = max(int(timeout_s / 0.2), 1)
         script = (f"pid=$(cat {shlex.quote(pid_file)} 2>/dev/null) || {{ echo none; exit 0; }}; "
-                  f"kill -0 $pid 2>/dev/null || {{ echo already-dead; exit 0; }}; kill -TERM -$pid 2>/dev/null || kill -TERM $pid; "
-                  f"for i in $(seq {steps}); do kill -0 $pid 2>/dev/null || {{ echo sigterm; exit 0; }}; sleep 0.2; done; "
+                  f"{RUNNING}running $pid || {{ echo already-dead; exit 0; }}; kill -TERM -$pid 2>/dev/null || kill -TERM $pid; "
+                  f"for i in $(seq {steps}); do running $pid || {{ echo sigterm; exit 0; }}; sleep 0.2; done; "
                   f"kill -KILL -$pid 2>/dev/null || kill -KILL $pid; echo sigkill")
         return (await run(conn, script))[1].strip()
 
@@ -145,12 +150,12 @@ class SshTarget:
         async with connect(record.ssh) as conn:
             how = await self._stop(conn, record.ssh, timeout_s)
         self.registry.update(name, state="stopped", ended=time.time(),
-                             timeline=dict(record.timeline, stopped=round(time.time() - record.created, 3)))
+                             timeline=dict(record.timeline, stopped=round(time.time() - record.created, 3), stop=how))
         return {"name": name, "how": how}
 
     async def alive(self, conn, record: RemoteDeployment) -> bool:
         pid_file, _ = _paths(record.ssh)
-        status, _, _ = await run(conn, f"kill -0 $(cat {shlex.quote(pid_file)})", check=False)
+        status, _, _ = await run(conn, f"{RUNNING}running $(cat {shlex.quote(pid_file)})", check=False)
         return status == 0
 
     async def status(self, record: RemoteDeployment) -> dict[str, Any]:
