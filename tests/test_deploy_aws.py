@@ -315,6 +315,9 @@ async def test_local_target_is_the_local_manager(aws, tmp_path):
         listed = ok(await client.call_tool("deploy_list", {}))
         assert [d["deployment"]["name"] for d in listed["local"]] == ["here"]
         assert "here" not in [r["name"] for r in listed["remote"]]
+        refused = error(await client.call_tool("deploy_launch", {
+            "target": "local", "name": "there", "model": str(model), "cache_url": "s3://b/k"}))
+        assert "serve_args, cache_url, aws and ssh are for remote targets" in refused
         stopped = ok(await client.call_tool("stop_deployment", {"name": "here", "timeout_s": 10}))
         assert stopped["name"] == "here" and ok(await client.call_tool("deploy_list", {}))["local"] == []
 

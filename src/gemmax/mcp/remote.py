@@ -90,6 +90,9 @@ def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str 
     the compile cache from CACHE_URL and serves under systemd). With WAIT, returns once /health is 200
     with the boot timeline; a launch that never gets there is terminated and recorded as failed."""
     if target == "local":
+        if serve_args or cache_url or aws or ssh:
+            raise DeployError("target local takes model, port, wait and timeout_s only (start_deployment has the "
+                              "local options); serve_args, cache_url, aws and ssh are for remote targets")
         status = deployments().start("gemmax", model, port, name=name, wait=wait, timeout_s=timeout_s)
         return LaunchResult(target="local", local=status)
     if cache_url:
