@@ -30,14 +30,16 @@ class RemoteStatus(BaseModel):
     health: dict[str, Any] | None = None
     cost: dict[str, Any]
 
+
 class TerminateResult(BaseModel):
     deployment: RemoteDeployment
     cache_push: dict[str, Any] | None = Field(None, description="the compile-cache push before teardown, if any")
 
+
 class Deployer:
-    def __init__(self, root: Path | None = None, aws: AwsTarget | None = None):
+    def __init__(self, root: Path | None = None):
         self.registry = Registry(root)
-        self.aws = aws or AwsTarget(self.registry)
+        self.aws = AwsTarget(self.registry)
         self.ssh = SshTarget(self.registry)
 
     # ------------------------------------------------------------------ launch

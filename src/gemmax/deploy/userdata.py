@@ -14,12 +14,12 @@ from __future__ import annotations
 import shlex
 
 CACHE_DIR = "/var/cache/gemmax"
+VENV = "/opt/gemmax"
 BUILTIN = "builtin"  # a deployment's model when `gemmax serve` gets no --model (the built-in Gemma 3 270M)
 
 
 def model_args(model: str) -> list[str]:
     return [] if model == BUILTIN else ["--model", model]
-VENV = "/opt/gemmax"
 
 
 def user_data(*, model: str, port: int, package: str, cache_url: str | None, serve_args: list[str],
