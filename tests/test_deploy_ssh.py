@@ -215,6 +215,9 @@ async def test_a_server_that_dies_at_start_is_reported_failed(ssh_host):
 async def test_unknown_host_key_is_refused(ssh_host, tmp_path):
     (tmp_path / "known_hosts").write_text("")
     async with Client(build_server()) as client:
+        bad_name = error(await client.call_tool("deploy_launch", {
+            "target": "ssh", "name": "../escape", "model": "m", "ssh": ssh_host.options}))
+        assert "deployment name '../escape'" in bad_name
         message = error(await client.call_tool("deploy_launch", {
             "target": "ssh", "name": "spoofed", "model": "m", "port": free_port(), "timeout_s": 3,
             "ssh": {**ssh_host.options, "known_hosts": str(tmp_path / "known_hosts")}}))

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from gemmax.deploy.errors import DeployError
 Target = Literal["ssh", "aws"]
 State = Literal["launching", "booting", "ready", "failed", "stopped", "terminated"]
 ENDED = ("failed", "stopped", "terminated")
+NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,62}")  # also a directory on an ssh host and an EC2 tag value
 
 
 def state_dir() -> Path:
@@ -132,6 +134,9 @@ class Registry:
     def add(self, record: RemoteDeployment, guard: Callable[[list[RemoteDeployment]], None] | None = None) -> None:
         """Record a new deployment; `guard` sees every record under the lock first and may refuse (the
         caps are checked here, so two launches at once cannot both pass them)."""
+        if not NAME.fullmatch(record.name):
+            raise DeployError(f"deployment name {record.name!r}: start with a letter or digit, then letters, digits, "
+                              "'.', '_' or '-' (at most 63)")
         with self._locked() as records:
             if guard is not None:
                 guard(list(records.values()))
