@@ -23,6 +23,7 @@ from gemmax.mcp import server as ops
 from gemmax.rigs.registry import wait_healthy
 from tiny_checkpoint import write_tiny_checkpoint
 
+pytestmark = pytest.mark.timeout(120)
 SERVE = ["--dtype", "float32", "--max-model-len", "64", "--max-batch", "1"]
 URL = "s3://gemmax-cache/tiny/xla.tar.gz"
 
