@@ -33,7 +33,9 @@ from tiny_checkpoint import write_tiny_checkpoint
 
 TOOLS = {"list_rigs", "start_deployment", "stop_deployment", "list_deployments", "deployment_status",
          "deployment_logs", "verify_device", "fit_check", "query_model", "run_sweep", "compare_results",
-         "profile_decode", "compile_cache_export", "compile_cache_import"}
+         "profile_decode", "compile_cache_export", "compile_cache_import", "deploy_launch", "deploy_list",
+         "deploy_status", "deploy_logs", "deploy_benchmark", "deploy_cache_push", "deploy_cache_restore",
+         "deploy_terminate", "deploy_cleanup", "deploy_cost"}
 GEMMAX_OPTIONS = {"dtype": "float32", "max_model_len": 128, "max_batch": 2, "timeout_s": 400}
 
 
@@ -95,7 +97,7 @@ async def test_lists_tools_with_schemas(state):
         tools = {t.name: t for t in (await client.list_tools()).tools}
     assert set(tools) == TOOLS
     for name, tool in tools.items():
-        assert tool.description == inspect.cleandoc(getattr(ops, name).__doc__)
+        assert tool.description == inspect.cleandoc({fn.__name__: fn for fn in ops.TOOLS}[name].__doc__)
         assert tool.output_schema is not None, name
     start = tools["start_deployment"].input_schema
     assert start["required"] == ["rig", "model", "port"]

@@ -219,12 +219,24 @@ cache_app = typer.Typer(help="Move JAX's persistent compilation cache between ma
                         no_args_is_help=True)
 
 
+def _check_cache_url(url: str) -> None:
+    """s3:// without s3fs (or any URL whose filesystem is missing): one line saying what to install."""
+    from gemmax.deploy.cache import check_url
+    from gemmax.deploy.errors import DeployError
+
+    try:
+        check_url(url)
+    except DeployError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 @cache_app.command("export")
 def cache_export(dest: str = typer.Argument(..., help="FILE.tar.gz or URL (s3://... with fsspec)"),
                  cache_dir: str = typer.Option(None, help="default: the user cache dir")) -> None:
     """Pack the compilation cache into DEST."""
     from gemmax.engine.compile_cache import export_cache
 
+    _check_cache_url(dest)
     typer.echo(f"wrote {export_cache(dest, cache_dir)} bytes to {dest}")
 
 
@@ -234,10 +246,183 @@ def cache_import(src: str = typer.Argument(..., help="FILE.tar.gz or URL made by
     """Unpack SRC into the compilation cache."""
     from gemmax.engine.compile_cache import import_cache
 
+    _check_cache_url(src)
     typer.echo(f"restored {import_cache(src, cache_dir)} files from {src}")
 
 
 app.add_typer(cache_app, name="cache")
+
+# `gemmax deploy`: the MCP deploy_* tools as commands (docs/deploy.md). The tool functions are the
+# implementation; each command prints the tool's structured result as JSON.
+deploy_app = typer.Typer(help="Deployments on a target: local, ssh (a host you have) or aws (EC2) (docs/deploy.md).",
+                         no_args_is_help=True)
+
+
+def _deploy_run(fn, *args, **kwargs) -> None:
+    import asyncio
+
+    from gemmax.mcp.remote import DeployError
+
+    try:
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)
+    except (DeployError, ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    from pydantic import TypeAdapter
+
+    typer.echo(TypeAdapter(type(result)).dump_json(result, indent=1).decode())
+
+
+@deploy_app.command("launch")
+def deploy_launch(
+    name: str = typer.Argument(..., help="deployment name"),
+    model: str = typer.Option("builtin", help="checkpoint path / hub id on the target; builtin: the built-in model"),
+    target: str = typer.Option("aws", help="local, ssh or aws"),
+    port: int = typer.Option(8000, min=1, max=65535),
+    serve_arg: list[str] = typer.Option([], help="extra `gemmax serve` argument (repeatable)"),
+    cache_url: str = typer.Option(None, help="compile cache tarball, e.g. s3://bucket/gemmax/g6-xla.tar.gz"),
+    instance_type: str = typer.Option("g6.xlarge", help="aws: g6.xlarge (L4), g4dn.xlarge (T4), ..."),
+    zone: list[str] = typer.Option([], help="aws: availability zone, tried in order (repeatable)"),
+    image_id: str = typer.Option(None, help="aws: AMI with NVIDIA drivers and python3"),
+    region: str = typer.Option(None, help="aws: default boto3's region"),
+    on_demand: bool = typer.Option(False, "--on-demand", help="aws: on-demand instead of spot"),
+    instance_profile: str = typer.Option(None, help="aws: IAM instance profile (S3 cache, SSM)"),
+    security_group: list[str] = typer.Option([], help="aws: security group id (repeatable)"),
+    key_name: str = typer.Option(None, help="aws: EC2 key pair"),
+    hours: float = typer.Option(1.0, help="aws: instance-hours this launch counts against the cap"),
+    endpoint: str = typer.Option(None, help="aws: reach the server at this URL (a tunnel, a load balancer) instead of PUBLIC_IP:PORT"),
+    host: str = typer.Option(None, help="ssh: host"),
+    ssh_port: int = typer.Option(22, help="ssh: port"),
+    user: str = typer.Option(None, help="ssh: user"),
+    key: str = typer.Option(None, help="ssh: private key file"),
+    install: str = typer.Option(None, help="ssh: pip-install this spec on the host first, e.g. 'gemmax[cuda]'"),
+    no_wait: bool = typer.Option(False, "--no-wait", help="return once it runs, without waiting for /health"),
+    timeout: float = typer.Option(1200.0, help="seconds to wait for /health"),
+) -> None:
+    """Launch `gemmax serve` on a target and wait for /health 200; prints the record with its boot timeline."""
+    from gemmax.mcp import remote
+
+    aws = ssh = None
+    if target == "aws":
+        if not zone or not image_id:
+            raise typer.BadParameter("target aws needs --zone (one or more) and --image-id")
+        aws = remote.AwsOptions(instance_type=instance_type, zones=zone, image_id=image_id, region=region,
+                                market="on-demand" if on_demand else "spot", instance_profile=instance_profile,
+                                security_group_ids=security_group or None, key_name=key_name, planned_hours=hours,
+                                endpoint=endpoint)
+    elif target == "ssh":
+        if not host:
+            raise typer.BadParameter("target ssh needs --host")
+        ssh = remote.SshOptions(host=host, port=ssh_port, username=user, client_key=key, install=install)
+    elif target != "local":
+        raise typer.BadParameter("--target must be local, ssh or aws")
+    _deploy_run(remote.deploy_launch, target, name, model, port=port, serve_args=serve_arg, cache_url=cache_url,
+                aws=aws, ssh=ssh, wait=not no_wait, timeout_s=timeout)
+
+
+@deploy_app.command("list")
+def deploy_list() -> None:
+    """Local and remote deployments, with their state."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_list)
+
+
+@deploy_app.command("status")
+def deploy_status(name: str) -> None:
+    """A remote deployment now: instance / process state, /health, boot timeline, cost so far."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_status, name)
+
+
+@deploy_app.command("logs")
+def deploy_logs(name: str, tail: int = typer.Option(100, min=1)) -> None:
+    """The last lines of a remote deployment's log."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_logs, name, tail)
+
+
+@deploy_app.command("tunnel")
+def deploy_tunnel(name: str) -> None:
+    """Hold an SSH tunnel to an ssh deployment's port (or print an aws one's address) until Ctrl-C; the
+    first line printed is the URL to use from this machine."""
+    import asyncio
+
+    from gemmax.deploy.service import Deployer
+    from gemmax.mcp.remote import DeployError
+
+    async def hold() -> None:
+        async with Deployer().endpoint(name) as (_, url):
+            typer.echo(url)
+            sys.stdout.flush()
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(hold())
+    except DeployError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@deploy_app.command("bench")
+def deploy_bench(name: str, input_len: list[int] = typer.Option([], help="repeatable"),
+                 output_len: int = typer.Option(None), repeats: int = typer.Option(None),
+                 concurrency: list[int] = typer.Option([], help="repeatable")) -> None:
+    """The benchmark harness from this machine against a remote deployment."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_benchmark, name, input_lens=input_len or None, output_len=output_len,
+                repeats=repeats, concurrency=concurrency or None)
+
+
+@deploy_app.command("push-cache")
+def deploy_push_cache(name: str) -> None:
+    """Push the deployment's compile cache to its cache URL."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_cache_push, name)
+
+
+@deploy_app.command("restore-cache")
+def deploy_restore_cache(name: str) -> None:
+    """Restore the compile cache from the cache URL on an ssh host."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_cache_restore, name)
+
+
+@deploy_app.command("terminate")
+def deploy_terminate(name: str, no_push: bool = typer.Option(False, "--no-push", help="skip the cache push"),
+                     timeout: float = typer.Option(600.0)) -> None:
+    """Push the compile cache, then terminate (aws) or stop (ssh), and wait for it."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_terminate, name, push_cache=not no_push, timeout_s=timeout)
+
+
+@deploy_app.command("cleanup")
+def deploy_cleanup(region: str = typer.Option(None), dry_run: bool = typer.Option(False, "--dry-run")) -> None:
+    """Terminate instances tagged gemmax:deployment that the registry does not know as live."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_cleanup, region, dry_run)
+
+
+@deploy_app.command("cost")
+def deploy_cost(name: str = typer.Argument(None)) -> None:
+    """Instance-hours and cost of one deployment, or of all aws ones, with the caps."""
+    from gemmax.mcp import remote
+
+    _deploy_run(remote.deploy_cost, name)
+
+
+app.add_typer(deploy_app, name="deploy")
 
 
 @app.command("mcp")

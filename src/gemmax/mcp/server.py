@@ -41,34 +41,27 @@ from pydantic import BaseModel, Field
 import gemmax
 from gemmax.mcp.deployments import (
     DeploymentError,
-    Deployments,
     DeploymentStatus,
     StopResult,
     state_dir,
 )
 from gemmax.mcp.device import DeviceReport
+from gemmax.mcp.local import deployments
+from gemmax.mcp.remote import DEPLOY_TOOLS, DeployError, check_url
 
 INSTRUCTIONS = """\
 gemmax deployment tools. Typical flow: list_rigs -> verify_device -> fit_check -> start_deployment
 (waits until /health is 200) -> deployment_status / query_model -> run_sweep -> compare_results ->
 stop_deployment; profile_decode shows where a decode step's time goes. Deployments outlive this server and are remembered on disk: list_deployments shows
 what any gemmax MCP server on this machine started, and a deployment whose process died shows as
-"dead" until stop_deployment removes it."""
+"dead" until stop_deployment removes it. Beyond this machine: deploy_launch (target ssh or aws) ->
+deploy_status (boot timeline) -> deploy_benchmark -> deploy_terminate; deploy_cost and deploy_cleanup
+keep the bill and the orphans in check."""
 
 # Failures with a message worth showing the caller; anything else is a bug and the SDK reports it
 # as an opaque crash.
-ANTICIPATED = (DeploymentError, ValueError, OSError, RuntimeError, httpx.HTTPError, subprocess.SubprocessError)
+ANTICIPATED = (DeploymentError, DeployError, ValueError, OSError, RuntimeError, httpx.HTTPError, subprocess.SubprocessError)
 CLI_TIMEOUT_S = 900.0
-
-
-@functools.cache
-def _manager(root: Path) -> Deployments:
-    return Deployments(root)
-
-
-def deployments() -> Deployments:
-    """One manager per state directory (it remembers the processes this server started, to reap them)."""
-    return _manager(state_dir())
 
 
 def _cli(args: list[str], timeout: float = CLI_TIMEOUT_S, module: str = "gemmax.cli") -> subprocess.CompletedProcess:
@@ -403,6 +396,7 @@ def compile_cache_export(dest: str, cache_dir: str | None = None) -> CacheTransf
     from gemmax.engine.compile_cache import default_cache_dir, export_cache
 
     source = confined(cache_dir, "cache_dir") if cache_dir else default_cache_dir()
+    check_url(dest)
     written = export_cache(url_or_confined(dest, "dest"), source)
     return CacheTransfer(url=dest, cache_dir=str(cache_dir or default_cache_dir()), bytes_written=written)
 
@@ -413,6 +407,7 @@ def compile_cache_import(src: str, cache_dir: str | None = None) -> CacheTransfe
     from gemmax.engine.compile_cache import default_cache_dir, import_cache
 
     target = confined(cache_dir, "cache_dir") if cache_dir else default_cache_dir()
+    check_url(src)
     restored = import_cache(url_or_confined(src, "src"), target)
     return CacheTransfer(url=src, cache_dir=str(cache_dir or default_cache_dir()), files_restored=restored)
 
@@ -420,7 +415,7 @@ def compile_cache_import(src: str, cache_dir: str | None = None) -> CacheTransfe
 TOOLS: tuple[Callable[..., Any], ...] = (
     list_rigs, start_deployment, stop_deployment, list_deployments, deployment_status, deployment_logs,
     verify_device, fit_check, query_model, run_sweep, compare_results, profile_decode, compile_cache_export,
-    compile_cache_import,
+    compile_cache_import, *DEPLOY_TOOLS,
 )
 
 

@@ -1,0 +1,163 @@
+"""The registry of remote deployments: one JSON file under the state directory.
+
+Every remote resource is written here before anything else happens to it (an EC2 instance id is
+recorded the moment `RunInstances` answers, before the boot is waited for), so a crash, a restarted
+MCP server or a second process still sees it and can terminate it. Ended deployments stay (their
+instance-hours count against the guard rails and `cost` reports them); a new launch of the same name
+replaces an ended record.
+Writes take an exclusive `flock` and replace the file atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+from pydantic import BaseModel, Field
+
+from gemmax.deploy.errors import DeployError
+
+Target = Literal["ssh", "aws"]
+State = Literal["launching", "booting", "ready", "failed", "stopped", "terminated"]
+ENDED = ("failed", "stopped", "terminated")
+NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,62}")  # also a directory on an ssh host and an EC2 tag value
+
+
+def state_dir() -> Path:
+    """$GEMMAX_STATE_DIR, else the user state dir (the same directory as the local deployments')."""
+    return Path(os.environ.get("GEMMAX_STATE_DIR") or platformdirs.user_state_dir("gemmax"))
+
+
+class Attempt(BaseModel):
+    """One RunInstances call: where, which market, and how it ended."""
+
+    zone: str
+    market: Literal["spot", "on-demand"]
+    ok: bool
+    error_code: str | None = None
+    message: str | None = None
+    seconds: float
+
+
+class SshHost(BaseModel):
+    host: str
+    port: int = 22
+    username: str | None = None
+    client_key: str | None = Field(None, description="private key file; default: the SSH agent and ~/.ssh keys")
+    known_hosts: str | None = Field(None, description="known_hosts file; default ~/.ssh/known_hosts")
+    remote_dir: str = Field(description="the deployment's directory on the host: pid file and log")
+    gemmax: str = Field(description="the gemmax command on the host")
+
+
+class AwsInstance(BaseModel):
+    region: str
+    instance_type: str
+    market: Literal["spot", "on-demand"]
+    zone: str | None = None
+    instance_id: str | None = None
+    image_id: str
+    attempts: list[Attempt] = []
+    price_per_hour: float | None = Field(None, description="USD: on-demand list price, or the zone's spot price at launch")
+    price_source: str | None = None
+
+
+class RemoteDeployment(BaseModel):
+    name: str
+    target: Target
+    state: State
+    model: str
+    port: int
+    base_url: str | None = Field(None, description="where /health and the API answer (for ssh: on the host)")
+    cache_url: str | None = Field(None, description="the compile cache tarball (s3://...) restored at boot, pushed at teardown")
+    created: float = Field(description="epoch seconds: the launch was requested")
+    ended: float | None = None
+    planned_hours: float = Field(1.0, description="instance-hours this deployment was allowed at launch")
+    timeline: dict[str, Any] = Field(default_factory=dict, description="boot events: seconds after `requested`, and compile-cache hits / misses")
+    error: str | None = None
+    ssh: SshHost | None = None
+    aws: AwsInstance | None = None
+    api_key: str | None = Field(None, exclude=True, repr=False, description="the server's API key: kept on disk, never returned")
+
+    @property
+    def active(self) -> bool:
+        return self.state not in ENDED
+
+    def hours(self, now: float | None = None) -> float:
+        """Instance-hours so far (from the launch request to the end, or to now)."""
+        end = self.ended if self.ended is not None else (now or time.time())
+        return max(end - self.created, 0.0) / 3600.0
+
+
+class Registry:
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else state_dir()
+        self.file = self.root / "remote.json"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, RemoteDeployment]]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "remote.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            records = self._read()
+            yield records
+            tmp = self.file.with_suffix(f".tmp{os.getpid()}")
+            payload = {n: r.model_dump() | {"api_key": r.api_key} for n, r in records.items()}
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds API keys
+            with os.fdopen(fd, "w") as f:
+                json.dump({"deployments": payload}, f, indent=1)
+            os.replace(tmp, self.file)
+
+    def _read(self) -> dict[str, RemoteDeployment]:
+        try:
+            data = json.loads(self.file.read_text())
+        except FileNotFoundError:
+            return {}
+        return {name: RemoteDeployment(**rec) for name, rec in data.get("deployments", {}).items()}
+
+    def records(self) -> list[RemoteDeployment]:
+        return sorted(self._read().values(), key=lambda r: r.created)
+
+    def get(self, name: str) -> RemoteDeployment:
+        records = self._read()
+        if name not in records:
+            raise DeployError(f"no remote deployment named {name!r} (known: {', '.join(sorted(records)) or 'none'})")
+        return records[name]
+
+    def add(self, record: RemoteDeployment, guard: Callable[[list[RemoteDeployment]], None] | None = None) -> None:
+        """Record a new deployment; `guard` sees every record under the lock first and may refuse (the
+        caps are checked here, so two launches at once cannot both pass them)."""
+        if not NAME.fullmatch(record.name):
+            raise DeployError(f"deployment name {record.name!r}: start with a letter or digit, then letters, digits, "
+                              "'.', '_' or '-' (at most 63)")
+        with self._locked() as records:
+            if guard is not None:
+                guard(list(records.values()))
+            if (name_taken := records.get(record.name)) and name_taken.active:
+                raise DeployError(f"deployment {record.name!r} exists and is {name_taken.state}: "
+                                  "terminate it first or pick another name")
+            records[record.name] = record
+
+    def update(self, name: str, **changes: Any) -> RemoteDeployment:
+        with self._locked() as records:
+            if name not in records:
+                raise DeployError(f"no remote deployment named {name!r}")
+            record = records[name].model_copy(update=changes)
+            records[name] = record
+        return record
+
+    def event(self, name: str, event: str, **extra: Any) -> RemoteDeployment:
+        """Record a boot event at now, in seconds after the launch request."""
+        with self._locked() as records:
+            record = records[name]
+            record.timeline.setdefault(event, round(time.time() - record.created, 3))
+            record.timeline.update(extra)
+            records[name] = record
+        return record
