@@ -21,6 +21,8 @@ import numpy as np
 from gemmax.model.config import LayerSpec, ModelConfig
 from gemmax.model.kv_cache import KVCache, LayerCache, slot_positions
 from gemmax.model.linear import linear, lookup
+from gemmax.model.moe import moe_block
+from gemmax.model.ops import gelu_tanh, rms_norm
 from gemmax.model.params import Params
 
 _MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free
@@ -35,15 +37,6 @@ class Precision:
 
 
 # --------------------------------------------------------------------------------------------- pieces
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """x * (mean(x^2) + eps)^-1/2 * w, in float32, cast back to x's dtype ([..., D], w [D])."""
-    xf = x.astype(jnp.float32)
-    y = xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, spec: LayerSpec) -> np.ndarray:
@@ -67,10 +60,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
-
-
-def gelu_tanh(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, window: int | None) -> jax.Array:
@@ -168,6 +157,10 @@ def _decoder_layer(layer, h, ple_l, spec, config, batch, cache_entry, shared, la
     with jax.named_scope("mlp"):
         x = rms_norm(h, layer["pre_ffn_norm"], eps)
         m = linear(gelu_tanh(linear(x, layer["gate"])) * linear(x, layer["up"]), layer["down"])
+    if config.has_moe:  # the dense MLP and the experts side by side, each normed, then summed
+        with jax.named_scope("moe"):
+            experts = moe_block(layer, h, config)
+        m = rms_norm(m, layer["post_ffn_norm_1"], eps) + rms_norm(experts, layer["post_ffn_norm_2"], eps)
     h = h + rms_norm(m, layer["post_ffn_norm"], eps)
     if ple_l is not None:
         with jax.named_scope("per_layer_input"):

@@ -6,7 +6,11 @@ The params pytree is
      "ple_embed": [Vp, L*P], "ple_proj": [L*P, H], "ple_norm": [P],      # only when P > 0
      "layers": ({"q": [nh*hd, H], "q_norm": [hd], "k"/"v": [nkv*hd, H], "k_norm": [hd], "o": [H, nh*hd],
                  "gate"/"up": [I, H], "down": [H, I], "input_norm" ... : [H],
-                 "ple_gate": [P, H], "ple_proj": [H, P], "ple_post_norm": [H], "layer_scalar": [1]}, ...)}
+                 "ple_gate": [P, H], "ple_proj": [H, P], "ple_post_norm": [H], "layer_scalar": [1],
+                 # MoE layers (26B-A4B) also: "router": [E, H], "router_scale": [H],
+                 # "expert_scale": [E], "experts_gate_up": [E, 2*Im, H], "experts_down": [E, H, Im],
+                 # "pre_ffn_norm_2" / "post_ffn_norm_1" / "post_ffn_norm_2": [H]
+                 }, ...)}
 
 Matrices keep the HF `[out, in]` layout (`x @ W.T`). Norm weights are stored in float32 and already
 include Gemma 3's `+1`, so the model always multiplies by `w`. Loading (safetensors, GGUF), random
@@ -25,7 +29,9 @@ import numpy as np
 
 from gemmax.model.config import ModelConfig
 
-Kind = Literal["matrix", "embedding", "norm", "scalar"]
+# "router" (the MoE router [E, H]) and "experts" (stacked expert matrices [E, out, in]) are weights the
+# load-time quantiser and the CPU column split leave as they are.
+Kind = Literal["matrix", "embedding", "norm", "scalar", "router", "experts"]
 Params = dict[str, Any]
 
 
@@ -79,6 +85,18 @@ def param_specs(config: ModelConfig) -> list[ParamSpec]:
             ]
             if not spec.k_eq_v:
                 specs.append(layer("self_attn.v_proj.weight", "v", (nkv * hd, H), "matrix"))
+        if config.has_moe:
+            E, Im = config.num_experts, config.moe_intermediate_size
+            specs += [
+                layer("router.proj.weight", "router", (E, H), "router"),
+                layer("router.scale", "router_scale", (H,), "norm"),
+                layer("router.per_expert_scale", "expert_scale", (E,), "scalar"),
+                layer("experts.gate_up_proj", "experts_gate_up", (E, 2 * Im, H), "experts"),
+                layer("experts.down_proj", "experts_down", (E, H, Im), "experts"),
+                layer("pre_feedforward_layernorm_2.weight", "pre_ffn_norm_2", (H,), "norm"),
+                layer("post_feedforward_layernorm_1.weight", "post_ffn_norm_1", (H,), "norm"),
+                layer("post_feedforward_layernorm_2.weight", "post_ffn_norm_2", (H,), "norm"),
+            ]
         if P:
             specs += [
                 layer("per_layer_input_gate.weight", "ple_gate", (P, H), "matrix"),
@@ -141,7 +159,7 @@ def random_params(config: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.fl
         if spec.kind in ("norm", "scalar"):
             leaves[spec.path] = 1.0 + 0.1 * jax.random.normal(k, spec.shape, jnp.float32)
         else:
-            fan_in = spec.shape[-1] if spec.kind == "matrix" else 1
+            fan_in = spec.shape[-1] if spec.kind in ("matrix", "router", "experts") else 1
             dtype = spec.dtype(weight_dtype)
             leaves[spec.path] = jax.random.normal(k, spec.shape, dtype) * jnp.asarray(fan_in**-0.5, dtype)
     return tree_from_leaves(config, leaves)
