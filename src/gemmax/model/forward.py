@@ -17,6 +17,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from gemmax.model.config import LayerSpec, ModelConfig
 from gemmax.model.kv_cache import KVCache, LayerCache, slot_positions
@@ -200,10 +201,26 @@ def lm_head(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm, tied head (or a separate `lm_head` form of it), softcap -> float32 logits."""
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
     logits = linear(h, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    logits = gather_vocab(logits)
     if config.final_logit_softcapping:
         cap = config.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)
     return logits
+
+
+def gather_vocab(logits: jax.Array) -> jax.Array:
+    """Under a mesh (`jax.set_mesh`, gemmax.engine.mesh): the vocab-split logits [..., V] gathered whole
+    on every tp device, rows left split over dp, so sampling (top-k, argmax) runs on local rows. With
+    no mesh (one device) it is the identity and adds nothing to the program."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return logits
+    dp, tp = mesh.shape.get("dp", 1), mesh.shape.get("tp", 1)
+    rows = "dp" if dp > 1 and logits.shape[0] % dp == 0 else None
+    middle = [None] * (logits.ndim - 2)
+    if tp > 1 and logits.shape[-1] % tp == 0:  # each device's vocab slice first: gather logits, not the table
+        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(rows, *middle, "tp"))
+    return jax.lax.with_sharding_constraint(logits, PartitionSpec(rows, *middle, None))
 
 
 def forward(
