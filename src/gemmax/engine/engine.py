@@ -102,7 +102,8 @@ class BatchEngine:
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
-            prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
+            prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
+            mesh=mesh))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
@@ -111,6 +112,8 @@ class BatchEngine:
         self.mesh = None
         if mesh is not None:
             check_mesh(mesh, self.config, max_batch)
+            # Every decode step runs all slots: a smaller group would not split over dp.
+            self.shapes = dataclasses.replace(self.shapes, decode_groups=(max_batch,))
             self.mesh = make_mesh(mesh)
             self.steps = mesh_steps(self.mesh, self.config, max_batch, max_model_len, self.precision)
             self.params = shard_params(self.params, self.config, self.mesh)

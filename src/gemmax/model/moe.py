@@ -8,12 +8,13 @@
 
 The experts run batched, never in a Python loop over experts, in one of two forms picked from the
 static token count:
-- **gather** (N * k <= E, i.e. decode): each token's k experts' weights are gathered ([N, k, 2*Im, H])
-  and multiplied; a decode step reads only the experts its tokens chose;
+- **gather** (N * k <= E, i.e. decode, one device or no ep axis): each token's k experts' weights are
+  gathered ([N, k, 2*Im, H]) and multiplied; a decode step reads only the experts its tokens chose;
 - **dense** (prefill chunks): every expert runs on every token ([N, E, 2*Im]) and a combine matrix
   [N, E] (the top-k weights, zero elsewhere) sums them. It costs E / k times the useful FLOPs but no
-  per-token copy of the weights, and on an expert-parallel mesh each device computes its own experts
-  and one all-reduce sums them.
+  per-token copy of the weights, and on an expert-parallel mesh (always taken there: a gather from
+  experts split over ep would move gathered weights between devices) each device computes its own
+  experts and one all-reduce of [N, H] sums them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def moe_block(layer: dict, r: jax.Array, config: ModelConfig) -> jax.Array:
     x = x.astype(gate_up.dtype)
     Im = config.moe_intermediate_size
     f32 = jnp.float32
-    if flat.shape[0] * config.top_k_experts <= config.num_experts:
+    mesh = jax.sharding.get_abstract_mesh()
+    expert_parallel = not mesh.empty and mesh.shape.get("ep", 1) > 1
+    if flat.shape[0] * config.top_k_experts <= config.num_experts and not expert_parallel:
         with jax.named_scope("experts_gather"):
             h = jnp.einsum("nh,nkih->nki", x, gate_up[top_i], preferred_element_type=f32)  # [N, k, 2Im]
             a = (gelu_tanh(h[..., :Im]) * h[..., Im:]).astype(down.dtype)
