@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import sys
 
 import typer
@@ -82,6 +83,9 @@ def generate(
     seed: int = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
+    coordinator: str = typer.Option(None, help="several hosts: jax.distributed coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS; TPU pods and SLURM are detected)"),
+    num_processes: int = typer.Option(None, min=1, help="several hosts: processes in all"),
+    process_id: int = typer.Option(None, min=0, help="several hosts: this process's index (0 prints)"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     quant=None,
 ) -> None:
@@ -94,6 +98,13 @@ def generate(
     from gemmax.engine.loading import load_model
 
     spec = _mesh_spec(mesh)
+    distributed = coordinator is not None or num_processes is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+    if distributed:
+        if spec is None:
+            raise typer.BadParameter("several processes need --mesh over their devices")
+        from gemmax.engine.mesh import init_distributed
+
+        init_distributed(coordinator, num_processes, process_id)
     try:
         loaded = load_model(model, dtype, quant, mesh=spec)
     except ValueError as exc:  # quantisation options this device cannot run (QuantError, W4A16FitError)
@@ -116,6 +127,11 @@ def generate(
             params = shard_params(params, loaded.checkpoint.config, device_mesh)
             stack.enter_context(jax.set_mesh(device_mesh))
         out = run(params, loaded.checkpoint.config, ids, max_tokens, sampling, loaded.policy.precision())
+    if distributed:
+        import jax
+
+        if jax.process_index() != 0:  # every process ran the same steps; process 0 answers
+            return
     text = loaded.tokenizer.decode(out) if loaded.tokenizer is not None else None
     if json_output:
         payload = {"token_ids": out, **({"text": text} if text is not None else {})}

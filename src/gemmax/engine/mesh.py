@@ -75,11 +75,26 @@ def check_mesh(spec: MeshSpec, config: ModelConfig, max_batch: int) -> None:
 
 
 def shard_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
-    """The params placed on the mesh (plain arrays: the mesh path skips the CPU column split)."""
+    """The params placed on the mesh (plain arrays: the mesh path skips the CPU column split). Each
+    device's shard is cut from the host copy every process holds, so it works across processes."""
+
+    def place(value, sharding):
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
     shardings = param_shardings(config, mesh)
-    return {**jax.device_put({k: params[k] for k in shardings}, shardings),
-            **{k: jax.device_put(v, NamedSharding(mesh, PartitionSpec())) for k, v in params.items()
-               if k not in shardings}}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return {**jax.tree.map(place, {k: params[k] for k in shardings}, shardings),
+            **{k: jax.tree.map(lambda v: place(v, replicated), v) for k, v in params.items() if k not in shardings}}
+
+
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """`jax.distributed.initialize` from flags, or with None from the environment JAX reads itself
+    (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM, TPU pod metadata). Must
+    run before anything touches a device. CPU processes exchange collectives through gloo."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def state_shardings(device: steps.DeviceState, mesh: Mesh) -> steps.DeviceState:
