@@ -47,6 +47,38 @@ GEMMA4_CONFIGS = {
     ),
 }
 
+# The rest of the family, shaped like the real models at toy width (8 query heads, so a tp=8 mesh
+# splits every layer's heads): tests/test_family_parity.py and the mesh tests. Not built by the
+# session-wide `hf_checkpoints` fixture.
+FAMILY_CONFIGS = {
+    # E4B: the E2B code path (PLE, KV sharing) with several KV heads and no double-wide MLP.
+    "e4b_like": dict(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL], num_kv_shared_layers=2,
+        use_double_wide_mlp=False, hidden_size_per_layer_input=8, sliding_window=4,
+        final_logit_softcapping=30.0, rope_parameters=ROPE4,
+    ),
+    # 31B: no PLE, no KV sharing, attention_k_eq_v with fewer global KV heads, "vision" bidirectional.
+    "31b_like": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, global_head_dim=16,
+        attention_k_eq_v=True, num_global_key_value_heads=2,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL], num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, sliding_window=4, use_bidirectional_attention="vision",
+        final_logit_softcapping=30.0, rope_parameters=ROPE4,
+    ),
+    # 26B-A4B: the 31B attention plus, in every layer, a dense MLP and 8 experts (top 2).
+    "26b_a4b_like": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, global_head_dim=16,
+        attention_k_eq_v=True, num_global_key_value_heads=2,
+        layer_types=[SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, sliding_window=4, final_logit_softcapping=30.0, rope_parameters=ROPE4,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+    ),
+}
+
 GEMMA3_CONFIGS = {
     "g3_small": dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -66,13 +98,29 @@ def randomize_norms(model: torch.nn.Module, seed: int) -> None:
                 tensor.copy_(torch.normal(1.0, 0.5, tensor.shape, generator=gen))
 
 
-def build_gemma4(name: str, directory: Path, seed: int = 0):
+def randomize_moe(model: torch.nn.Module, seed: int) -> None:
+    """MoE norms (`..._1` / `..._2`), router scales and per-expert scales around 1, the router
+    projection wide enough that the top-k choice is clear-cut (no near-ties between experts)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith(("layernorm_1.weight", "layernorm_2.weight", "router.scale", "router.per_expert_scale")):
+                tensor.copy_(torch.normal(1.0, 0.5, tensor.shape, generator=gen))
+            elif name.endswith("router.proj.weight"):
+                tensor.copy_(torch.normal(0.0, 1.0, tensor.shape, generator=gen))
+            elif ".experts." in name:
+                tensor.copy_(torch.normal(0.0, tensor.shape[-1] ** -0.5, tensor.shape, generator=gen))
+
+
+def build_gemma4(name: str, directory: Path, seed: int = 0, configs: dict | None = None):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
-    config = Gemma4TextConfig(**GEMMA4_CONFIGS[name], attn_implementation="eager")
+    config = Gemma4TextConfig(**(configs or GEMMA4_CONFIGS)[name], attn_implementation="eager")
     model = Gemma4ForCausalLM(config).eval()
     randomize_norms(model, seed)
+    if config.enable_moe_block:
+        randomize_moe(model, seed)
     model.save_pretrained(directory)
     return model
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import logging
+import os
 import sys
 
 import typer
@@ -81,6 +83,10 @@ def generate(
     seed: int = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
+    coordinator: str = typer.Option(None, help="several hosts: jax.distributed coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS; TPU pods and SLURM are detected)"),
+    num_processes: int = typer.Option(None, min=1, help="several hosts: processes in all"),
+    process_id: int = typer.Option(None, min=0, help="several hosts: this process's index (0 prints)"),
+    mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     quant=None,
 ) -> None:
     """Generate from one prompt (greedy when temperature is 0)."""
@@ -91,8 +97,16 @@ def generate(
     from gemmax.engine.generate import generate as run
     from gemmax.engine.loading import load_model
 
+    spec = _mesh_spec(mesh)
+    distributed = coordinator is not None or num_processes is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+    if distributed:
+        if spec is None:
+            raise typer.BadParameter("several processes need --mesh over their devices")
+        from gemmax.engine.mesh import init_distributed
+
+        init_distributed(coordinator, num_processes, process_id)
     try:
-        loaded = load_model(model, dtype, quant)
+        loaded = load_model(model, dtype, quant, mesh=spec)
     except ValueError as exc:  # quantisation options this device cannot run (QuantError, W4A16FitError)
         raise typer.BadParameter(str(exc)) from exc
     if prompt is not None:
@@ -102,14 +116,60 @@ def generate(
     else:
         ids = _parse_ids(prompt_ids)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    out = run(loaded.checkpoint.params, loaded.checkpoint.config, ids, max_tokens, sampling,
-              loaded.policy.precision())
+    params = loaded.checkpoint.params
+    with contextlib.ExitStack() as stack:
+        if spec is not None:  # the weights on the mesh; the steps follow their shardings
+            import jax
+
+            from gemmax.engine.mesh import make_mesh, shard_params
+
+            device_mesh = make_mesh(spec)
+            params = shard_params(params, loaded.checkpoint.config, device_mesh)
+            stack.enter_context(jax.set_mesh(device_mesh))
+        out = run(params, loaded.checkpoint.config, ids, max_tokens, sampling, loaded.policy.precision())
+    if distributed:
+        import jax
+
+        if jax.process_index() != 0:  # every process ran the same steps; process 0 answers
+            return
     text = loaded.tokenizer.decode(out) if loaded.tokenizer is not None else None
     if json_output:
         payload = {"token_ids": out, **({"text": text} if text is not None else {})}
         typer.echo(json.dumps(payload))
     else:
         typer.echo(text if text is not None else ",".join(map(str, out)))
+
+
+def _mesh_spec(text: str | None):
+    from gemmax.engine.mesh import MeshError, MeshSpec
+
+    try:
+        return MeshSpec.parse(text)
+    except MeshError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _fit_table(json_output: bool) -> None:
+    import jax.numpy as jnp
+
+    from gemmax.engine.memory import GiB, fit_table
+    from gemmax.model.config import FAMILY_TEXT_CONFIGS, ModelConfig
+
+    models = {name: ModelConfig.from_hf_config(hf) for name, hf in FAMILY_TEXT_CONFIGS.items()}
+    rows = fit_table(models, 8192, 8, weight_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                     activation_dtype=jnp.bfloat16, prefill_tokens=2048)
+    if json_output:
+        typer.echo(json.dumps(rows))
+        return
+    typer.echo("smallest mesh serving 8 slots x 8,192 tokens (bf16 weights and KV, 2,048-token prefill chunks); "
+               "per device; largest batch at 8,192 tokens / largest context at 8 slots on that mesh")
+    typer.echo(f"{'model':8} {'accelerator':13} {'mesh':30} {'weights':>9} {'KV':>9} {'batch':>6} {'context':>8}")
+    for r in rows:
+        if r["mesh"] is None:
+            typer.echo(f"{r['model']:8} {r['accelerator']:13} {'none up to 64 devices':30}")
+            continue
+        typer.echo(f"{r['model']:8} {r['accelerator']:13} {r['mesh']:30} {r['weights_per_device'] / GiB:7.2f}Gi "
+                   f"{r['kv_per_device'] / GiB:7.2f}Gi {r['largest_batch']:6} {r['largest_context']:8,}")
 
 
 @app.command()
@@ -126,7 +186,7 @@ def policy(dtype: str = typer.Option("auto"), json_output: bool = typer.Option(F
 @app.command()
 @with_quant_options
 def fit(
-    model: str = typer.Option(..., help="HF directory (config.json alone is enough), config.json, .gguf or hub id"),
+    model: str = typer.Option(None, help="HF directory (config.json alone is enough), config.json, .gguf or hub id"),
     max_model_len: int = typer.Option(2048, min=1, help="longest prompt + completion, tokens"),
     max_batch: int = typer.Option(8, min=1, help="decode slots"),
     device_memory_gib: float = typer.Option(None, min=0.0, help="plan for this much device memory (default: the live device's)"),
@@ -134,14 +194,24 @@ def fit(
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
     prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: the engine's largest bucket)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
+    mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
+    table: bool = typer.Option(False, "--table", help="for E2B, E4B, 31B and 26B-A4B on common accelerators: the smallest mesh serving 8 slots x 8,192 tokens (bf16) and the largest batch / context there"),
     quant=None,
 ) -> None:
     """Will this model fit? Weights + KV cache (sliding rings and KV sharing honoured) + prefill workspace
-    against device memory; exits 1 with the arithmetic and the largest max_model_len / batch that fit."""
+    against device memory (per device with --mesh); exits 1 with the arithmetic and the largest
+    max_model_len / batch that fit."""
     import jax.numpy as jnp
 
     from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
+
+    if table:
+        _fit_table(json_output)
+        return
+    if model is None:
+        raise typer.BadParameter("give --model (or --table)")
+    spec = _mesh_spec(mesh)
 
     if kv_dtype != "auto" and kv_dtype not in DTYPES:
         raise typer.BadParameter(f"--kv-dtype must be auto or one of {sorted(DTYPES)}")
@@ -160,7 +230,7 @@ def fit(
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
-                       prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model,
+                       prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
                        weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:
@@ -189,12 +259,14 @@ def serve(
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
     log_level: str = typer.Option("info"),
+    mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     quant=None,
 ) -> None:
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
+    spec = _mesh_spec(mesh)
     from gemmax.server.app import ServerSettings
     from gemmax.server.serve import serve as run_server
 
@@ -209,7 +281,7 @@ def serve(
     def load():  # /health answers 503 until the engine's warm-up is done
         from gemmax.engine.loading import start_engine
 
-        return start_engine(model, dtype, quant, max_model_len=max_model_len, max_batch=max_batch,
+        return start_engine(model, dtype, quant, mesh=spec, max_model_len=max_model_len, max_batch=max_batch,
                             max_queue=max_queue or None, batch_invariant=batch_invariant)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))

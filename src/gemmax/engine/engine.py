@@ -29,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+import types
 from typing import Any
 
 import jax
@@ -49,6 +50,7 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
+from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.sampling import row_values
 from gemmax.engine.shapes import ShapePlan, plan_chunks
 from gemmax.engine.steps import (
@@ -88,7 +90,8 @@ class BatchEngine:
 
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
-                 compile_cache_dir: str | None = None, max_queue: int | None = None, batch_invariant: bool = False):
+                 compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
+                 batch_invariant: bool = False):
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -100,10 +103,27 @@ class BatchEngine:
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
-            prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name))
+            prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
+            mesh=mesh))
         self.params = loaded.checkpoint.params
+        # The device steps: today's single-device ones, or the same steps compiled for a mesh
+        # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
+        self.steps = types.SimpleNamespace(prefill_step=prefill_step, decode_step=decode_step,
+                                           decode_rows=decode_rows, init_device_state=init_device_state)
+        self.mesh = None
+        if mesh is not None:
+            check_mesh(mesh, self.config, max_batch)
+            # Every decode step runs all slots: a smaller group would not split over dp.
+            self.shapes = dataclasses.replace(self.shapes, decode_groups=(max_batch,))
+            self.mesh = make_mesh(mesh)
+            self.steps = mesh_steps(self.mesh, self.config, max_batch, max_model_len, self.precision)
+            self.params = shard_params(self.params, self.config, self.mesh)
+            log.info("%s", mesh_summary(mesh, self.config, self.mesh))
         self.steps_per_dispatch = steps_per_dispatch
+        if batch_invariant and mesh is not None:
+            raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
+        self._decode_options = {"row_invariant": True} if batch_invariant else {}
         self.device: DeviceState | None = None  # allocated by warm-up
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
@@ -232,7 +252,7 @@ class BatchEngine:
         self._loop()
 
     def _init_device_state(self) -> None:
-        self.device = init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
+        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
         self.want_logprobs[:] = False
 
     def _warm_up(self) -> None:
@@ -277,12 +297,12 @@ class BatchEngine:
     # ------------------------------------------------------------------------------ device calls
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool):
-        before = prefill_step._cache_size()
-        self.device, out = prefill_step(
+        before = self.steps.prefill_step._cache_size()
+        self.device, out = self.steps.prefill_step(
             self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
             jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config, precision=self.precision,
             kv_len=self.shapes.kv_bound(start))
-        return out, prefill_step._cache_size() != before
+        return out, self.steps.prefill_step._cache_size() != before
 
     def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
@@ -294,13 +314,14 @@ class BatchEngine:
         kv_len = kv_len or self.max_model_len
         for _ in range(steps):
             if rows is None:
-                self.device, out = decode_step(self.params, self.device, want, config=self.config,
-                                               precision=self.precision, kv_len=kv_len,
-                                               row_invariant=self.batch_invariant)
+                self.device, out = self.steps.decode_step(self.params, self.device, want, config=self.config,
+                                                          precision=self.precision, kv_len=kv_len,
+                                                          **self._decode_options)
             else:
-                self.device, out = decode_rows(self.params, self.device, want, jnp.asarray(rows, jnp.int32),
-                                               config=self.config, precision=self.precision, kv_len=kv_len,
-                                               row_invariant=self.batch_invariant)
+                self.device, out = self.steps.decode_rows(self.params, self.device, want,
+                                                          jnp.asarray(rows, jnp.int32), config=self.config,
+                                                          precision=self.precision, kv_len=kv_len,
+                                                          **self._decode_options)
             outputs.append(out)
         return outputs
 

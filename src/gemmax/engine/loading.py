@@ -10,6 +10,7 @@ from pathlib import Path
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.kernel_probe import live_probe
+from gemmax.engine.mesh import MeshSpec
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
@@ -51,11 +52,13 @@ def quant_for(source: ModelSource, dtype: str | None, quant: QuantOptions) -> Qu
 
 
 def load_model(model: str | Path | ModelSource | None, dtype: str | None = None,
-               quant: QuantOptions | None = None) -> LoadedModel:
+               quant: QuantOptions | None = None, mesh: MeshSpec | None = None) -> LoadedModel:
     """`model`: a local HF directory, a `.gguf` file, a hub id, None for the built-in default, or a
     source already opened. `quant`: load-time quantisation (gemmax.quant): tensors are quantised one at
     a time as they load, and the W4A16 Pallas tiles are checked against the device before any weight
-    is read; quant="auto" is resolved here from the checkpoint (`QuantOptions.for_source`)."""
+    is read; quant="auto" is resolved here from the checkpoint (`QuantOptions.for_source`).
+    `mesh`: the weights stay plain arrays (the engine places them on the mesh; the CPU column split
+    below is a one-device form)."""
     source = model if isinstance(model, ModelSource) else open_source(model)
     quant = quant_for(source, dtype, quant or QuantOptions())
     quantizes = quant.changes_weights
@@ -67,16 +70,18 @@ def load_model(model: str | Path | ModelSource | None, dtype: str | None = None,
         params = quantizer.finish(checkpoint.params)
         checkpoint = dataclasses.replace(checkpoint, params=params, weight_bytes=count_bytes(params))
     # The stored form `linear` reads fastest on this device (K-split column blocks on CPU).
-    checkpoint = dataclasses.replace(
-        checkpoint, params=prepare_params(checkpoint.params, checkpoint.config, policy))
+    if mesh is None:
+        checkpoint = dataclasses.replace(
+            checkpoint, params=prepare_params(checkpoint.params, checkpoint.config, policy))
     return LoadedModel(checkpoint=checkpoint, tokenizer=source.tokenizer, policy=policy, name=source.name)
 
 
-def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, **engine_options):
+def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, mesh: MeshSpec | None = None,
+                 **engine_options):
     """What `gemmax serve` runs before it can answer: resolve and load the model, build the batching
     engine and start its warm-up (in the engine's thread; it reports ready when done).
     Returns (engine, tokenizer)."""
-    loaded = load_model(model, dtype, quant)
-    engine = BatchEngine(loaded, **engine_options)
+    loaded = load_model(model, dtype, quant, mesh=mesh)
+    engine = BatchEngine(loaded, mesh=mesh, **engine_options)
     engine.start()
     return engine, loaded.tokenizer

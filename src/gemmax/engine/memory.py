@@ -37,10 +37,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh
 
+from gemmax.engine.mesh import MeshSpec
 from gemmax.model.config import ModelConfig
-from gemmax.model.kv_cache import cache_bytes, cache_slots, slot_bytes
-from gemmax.model.params import Params, abstract_params, count_bytes
+from gemmax.model.kv_cache import cache_bytes, cache_slots, layer_cache_bytes, slot_bytes
+from gemmax.model.params import Params, abstract_params, count_bytes, param_specs
+from gemmax.model.sharding import MESH_AXES, param_partition
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -141,6 +144,7 @@ class MemoryPlan:
     reserve: int  # runtime, compiled programs, fragmentation
     largest_max_model_len: int | None  # at max_batch (None: not even 1 token fits)
     largest_batch: int  # at max_model_len (0: not even one slot)
+    mesh: str = "1 device"  # every byte figure is per device of this mesh
 
     @property
     def required(self) -> int:
@@ -158,7 +162,7 @@ class MemoryPlan:
         b, n = self.max_batch, self.max_model_len
         verdict = "fits" if self.fits else "DOES NOT FIT"
         out = [
-            f"memory plan for {self.model}: max_model_len={n} max_batch={b} ({verdict})",
+            f"memory plan for {self.model}: max_model_len={n} max_batch={b} on {self.mesh}, per device ({verdict})",
             f"  weights ({self.weight_dtype})        {_fmt(self.weights)}",
             f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
             f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings)",
@@ -196,23 +200,26 @@ def plan_memory(
     weights: int | None = None,
     reserve_fraction: float = 0.05,
     model: str = "model",
+    mesh: MeshSpec | None = None,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
-    checkpoint's `Checkpoint.weight_bytes`)."""
+    checkpoint's `Checkpoint.weight_bytes`). With a `mesh`, every figure is per device: each
+    parameter divided by the mesh axes its sharding rule splits it over (`model.sharding`), the KV
+    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads)."""
     if max_model_len < 1 or max_batch < 1:
         raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
-    weights = weight_bytes(config, weight_dtype) if weights is None else weights
+    split = _MeshSplit(config, mesh)
+    weights = split.weights(weight_dtype) if weights is None else weights // split.weight_ratio(weight_dtype)
     reserve = int(device_memory * reserve_fraction)
 
     def required(n: int, b: int) -> int:
         chunk = n if prefill_tokens is None else min(prefill_tokens, n)
-        work = max(prefill_workspace_bytes(config, chunk, n, 1, activation_dtype), decode_workspace_bytes(config, b))
-        return weights + kv_cache_bytes(config, n, b, kv_dtype) + work
+        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype)
 
     available = device_memory - reserve
     longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
-    widest = _largest(lambda b: required(max_model_len, b) <= available, 1 << 16) or 0
+    widest = split.dp * (_largest(lambda r: required(max_model_len, r * split.dp) <= available, 1 << 16) or 0)
     chunk = max_model_len if prefill_tokens is None else min(prefill_tokens, max_model_len)
     return MemoryPlan(
         model=model,
@@ -224,16 +231,106 @@ def plan_memory(
         weights=weights,
         kv_per_token=kv_bytes_per_token(config, kv_dtype),
         kv_fixed=kv_fixed_bytes(config, kv_dtype, max_model_len),
-        kv_cache=kv_cache_bytes(config, max_model_len, max_batch, kv_dtype),
-        workspace=max(
-            prefill_workspace_bytes(config, chunk, max_model_len, 1, activation_dtype),
-            decode_workspace_bytes(config, max_batch),
-        ),
+        kv_cache=split.kv(max_model_len, max_batch, kv_dtype),
+        workspace=split.workspace(chunk, max_model_len, max_batch, activation_dtype),
         device_memory=device_memory,
         reserve=reserve,
         largest_max_model_len=longest,
         largest_batch=widest,
+        mesh="1 device" if mesh is None else f"mesh {mesh} ({mesh.size} devices)",
     )
+
+
+class _MeshSplit:
+    """Per-device bytes on a mesh (one device: the whole figures)."""
+
+    def __init__(self, config: ModelConfig, mesh: MeshSpec | None):
+        self.config = config
+        self.mesh = mesh
+        self.dp = mesh.dp if mesh else 1
+        tp = mesh.tp if mesh else 1
+        # KV heads split on tp where every KV-owning layer has enough (else that layer is replicated)
+        self.kv_tp = [tp if spec.num_kv_heads % tp == 0 else 1 for spec in config.layers]
+        self.heads_tp = tp if config.num_attention_heads % tp == 0 else 1
+
+    def weights(self, weight_dtype: Any) -> int:
+        if self.mesh is None:
+            return weight_bytes(self.config, weight_dtype)
+        abstract = AbstractMesh((self.mesh.dp, self.mesh.tp, self.mesh.ep), MESH_AXES)
+        total = 0
+        for spec in param_specs(self.config):
+            parts = math.prod(abstract.shape[a] for a in param_partition(spec, self.config, abstract) if a)
+            total += math.prod(spec.shape) * np.dtype(spec.dtype(weight_dtype)).itemsize // parts
+        return total
+
+    def weight_ratio(self, weight_dtype: Any) -> int:
+        """Whole weights over per-device weights (to scale a measured checkpoint size)."""
+        return max(1, weight_bytes(self.config, weight_dtype) // self.weights(weight_dtype))
+
+    def kv(self, max_len: int, batch: int, kv_dtype: Any) -> int:
+        if self.mesh is None:
+            return kv_cache_bytes(self.config, max_len, batch, kv_dtype)
+        rows = -(-batch // self.dp)
+        per_layer = layer_cache_bytes(self.config, max_len, 1, kv_dtype)
+        return rows * sum(size // tp for size, tp in zip(per_layer, self.kv_tp, strict=True))
+
+    def workspace(self, chunk: int, max_len: int, batch: int, activation_dtype: Any) -> int:
+        prefill = prefill_workspace_bytes(self.config, chunk, max_len, 1, activation_dtype) // self.heads_tp
+        return max(prefill, decode_workspace_bytes(self.config, -(-batch // self.dp)))
+
+
+# Accelerators of `gemmax fit --table`: nominal memory in GB (1e9 B), as sold.
+ACCELERATORS: dict[str, int] = {
+    "T4 16GB": 16 * 10**9, "L4 24GB": 24 * 10**9, "A100 40GB": 40 * 10**9, "A100 80GB": 80 * 10**9,
+    "H100 80GB": 80 * 10**9, "H200 141GB": 141 * 10**9, "TPU v5e 16GB": 16 * 10**9, "TPU v6e 32GB": 32 * 10**9,
+}
+
+
+def mesh_candidates(config: ModelConfig, devices: int, slots: int) -> list[MeshSpec]:
+    """Meshes of exactly `devices` devices the engine can run: dp divides the slots, ep divides the
+    experts (MoE only); tp first (it splits the weights), then ep, then dp."""
+    out = []
+    for tp in range(devices, 0, -1):
+        for ep in range(devices // tp, 0, -1):
+            if devices % (tp * ep):
+                continue
+            dp = devices // (tp * ep)
+            if slots % dp or (ep > 1 and (not config.has_moe or config.num_experts % ep)):
+                continue
+            out.append(MeshSpec(dp=dp, tp=tp, ep=ep))
+    return out
+
+
+def smallest_mesh(config: ModelConfig, device_memory: int, max_model_len: int = 8192, slots: int = 8,
+                  max_devices: int = 64, **plan_options) -> MemoryPlan | None:
+    """The plan on the fewest devices (powers of two up to `max_devices`) that serves `slots` x
+    `max_model_len`, the mesh with the most room among those; None when none does."""
+    devices = 1
+    while devices <= max_devices:
+        plans = [plan_memory(config, max_model_len, slots, device_memory, mesh=None if devices == 1 else m,
+                             **plan_options) for m in mesh_candidates(config, devices, slots)]
+        fitting = [p for p in plans if p.fits]
+        if fitting:
+            return max(fitting, key=lambda p: (p.available - p.required, p.largest_batch))
+        devices *= 2
+    return None
+
+
+def fit_table(models: dict[str, ModelConfig], max_model_len: int = 8192, slots: int = 8,
+              **plan_options) -> list[dict[str, Any]]:
+    """One row per (model, accelerator): the smallest mesh serving slots x max_model_len, and on it the
+    largest batch at max_model_len and the largest context at `slots` slots."""
+    rows = []
+    for name, config in models.items():
+        for accelerator, memory in ACCELERATORS.items():
+            plan = smallest_mesh(config, memory, max_model_len, slots, model=name, **plan_options)
+            rows.append({"model": name, "accelerator": accelerator,
+                         "mesh": None if plan is None else plan.mesh,
+                         "weights_per_device": None if plan is None else plan.weights,
+                         "kv_per_device": None if plan is None else plan.kv_cache,
+                         "largest_batch": None if plan is None else plan.largest_batch,
+                         "largest_context": None if plan is None else plan.largest_max_model_len})
+    return rows
 
 
 def check_fit(plan: MemoryPlan) -> MemoryPlan:

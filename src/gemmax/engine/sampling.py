@@ -119,7 +119,12 @@ def _take_block(blocks: jax.Array, j: jax.Array) -> jax.Array:
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """lax.top_k kept whole: XLA:CPU otherwise turns a top-k whose indices a later op does not need
-    straight away into a full sort of its operand (13 ms instead of 0.5 ms on [8, 4096] for k = 64)."""
+    straight away into a full sort of its operand (13 ms instead of 0.5 ms on [8, 4096] for k = 64).
+    Not under a mesh (gemmax.engine.mesh): XLA's SPMD pipeline aborts in its TopK decomposer on a
+    top-k read by an optimization barrier (jaxlib 0.10.2, "optimization_barrier ... cannot be
+    downcasted to HloGetTupleElementInstruction")."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return jax.lax.top_k(x, k)
     return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
 
 

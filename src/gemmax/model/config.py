@@ -6,8 +6,9 @@ One entry point, `ModelConfig.from_hf_config(dict)`, accepts:
 
 Per-layer geometry is resolved here once (head dim, kv heads, KV-sharing donor, MLP width, RoPE), so
 the model code reads `config.layers[i]` and never re-derives it. Fields that would change the math
-but are not implemented (MoE, bidirectional attention, attention-logit softcap ...) are refused with
-a message that names them, never ignored. The config is a static argument to `jax.jit`, so it is
+but are not implemented (bidirectional attention, attention-logit softcap ...) are refused with
+a message that names them, never ignored. The MoE block (26B-A4B, `enable_moe_block`) is parsed into
+`num_experts` / `top_k_experts` / `moe_intermediate_size` (0 when the block is off). The config is a static argument to `jax.jit`, so it is
 frozen and every field is hashable; change it with `dataclasses.replace`.
 """
 
@@ -76,6 +77,14 @@ class ModelConfig:
     bos_token_id: int
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
+    # MoE block in every layer (Gemma 4 26B-A4B, spec section 12) next to the dense MLP; 0 = no MoE.
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def has_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_layers(self) -> int:
@@ -207,7 +216,11 @@ def _kv_sharing(types: list[str], num_shared: int) -> tuple[list[str], list[int]
 
 
 def _parse_gemma4(hf: Mapping[str, Any]) -> ModelConfig:
-    _refuse(hf, {"enable_moe_block": False, **_SUPPORTED_BY_BOTH})
+    # "vision" makes image tokens attend bidirectionally; the text decoder alone stays causal.
+    _refuse(hf, {**_SUPPORTED_BY_BOTH, "use_bidirectional_attention": lambda v: v in (None, False, "vision")})
+    moe = bool(hf.get("enable_moe_block", False))
+    if moe and not all(hf.get(f) for f in ("num_experts", "top_k_experts", "moe_intermediate_size")):
+        raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
     num_layers = int(hf["num_hidden_layers"])
     types = _layer_types(hf, num_layers, pattern=6)
     types[-1] = FULL  # transformers forces the last layer to full attention
@@ -277,6 +290,9 @@ def _parse_gemma4(hf: Mapping[str, Any]) -> ModelConfig:
         bos_token_id=int(hf.get("bos_token_id", 2)),
         pad_token_id=int(hf.get("pad_token_id", 0) or 0),
         eos_token_ids=tuple(_as_id_list(hf.get("eos_token_id", 1))),
+        num_experts=int(hf["num_experts"]) if moe else 0,
+        top_k_experts=int(hf["top_k_experts"]) if moe else 0,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]) if moe else 0,
     )
 
 
@@ -376,4 +392,58 @@ E2B_SIX_LAYER_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 6,
     "num_kv_shared_layers": 2,
     "layer_types": [SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL],
+}
+
+# google/gemma-4-E4B-it text_config (spec section 1.2).
+E4B_TEXT_CONFIG: dict[str, Any] = {
+    **E2B_TEXT_CONFIG,
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 2,
+    "layer_types": ([SLIDING] * 5 + [FULL]) * 7,
+    "num_kv_shared_layers": 18,
+    "use_double_wide_mlp": False,
+}
+
+# google/gemma-4-31B-it text_config (spec section 1.3): no PLE, no KV sharing, attention_k_eq_v with
+# 4 global KV heads on the full layers, window 1024.
+G31B_TEXT_CONFIG: dict[str, Any] = {
+    **E2B_TEXT_CONFIG,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_hidden_layers": 60,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "num_global_key_value_heads": 4,
+    "attention_k_eq_v": True,
+    "sliding_window": 1024,
+    "layer_types": ([SLIDING] * 5 + [FULL]) * 10,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "use_double_wide_mlp": False,
+    "use_bidirectional_attention": "vision",
+    "max_position_embeddings": 262_144,
+}
+
+# google/gemma-4-26B-A4B-it text_config (spec section 1.3): the 31B attention shape at 2816 wide, and
+# in every layer a 2112-wide dense MLP next to 128 experts of 704 (top 8).
+G26B_A4B_TEXT_CONFIG: dict[str, Any] = {
+    **G31B_TEXT_CONFIG,
+    "hidden_size": 2816,
+    "intermediate_size": 2112,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_global_key_value_heads": 2,
+    "layer_types": ([SLIDING] * 5 + [FULL]) * 5,
+    "enable_moe_block": True,
+    "num_experts": 128,
+    "top_k_experts": 8,
+    "moe_intermediate_size": 704,
+}
+
+# The published text configs by the names `gemmax fit` and the docs use.
+FAMILY_TEXT_CONFIGS: dict[str, dict[str, Any]] = {
+    "E2B": E2B_TEXT_CONFIG, "E4B": E4B_TEXT_CONFIG, "31B": G31B_TEXT_CONFIG, "26B-A4B": G26B_A4B_TEXT_CONFIG,
 }

@@ -17,10 +17,13 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from gemmax.model.config import LayerSpec, ModelConfig
 from gemmax.model.kv_cache import KVCache, LayerCache, slot_positions
 from gemmax.model.linear import linear, lookup
+from gemmax.model.moe import moe_block
+from gemmax.model.ops import gelu_tanh, rms_norm
 from gemmax.model.params import Params
 
 _MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free
@@ -35,15 +38,6 @@ class Precision:
 
 
 # --------------------------------------------------------------------------------------------- pieces
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """x * (mean(x^2) + eps)^-1/2 * w, in float32, cast back to x's dtype ([..., D], w [D])."""
-    xf = x.astype(jnp.float32)
-    y = xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, spec: LayerSpec) -> np.ndarray:
@@ -67,10 +61,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
-
-
-def gelu_tanh(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, window: int | None) -> jax.Array:
@@ -168,6 +158,10 @@ def _decoder_layer(layer, h, ple_l, spec, config, batch, cache_entry, shared, la
     with jax.named_scope("mlp"):
         x = rms_norm(h, layer["pre_ffn_norm"], eps)
         m = linear(gelu_tanh(linear(x, layer["gate"])) * linear(x, layer["up"]), layer["down"])
+    if config.has_moe:  # the dense MLP and the experts side by side, each normed, then summed
+        with jax.named_scope("moe"):
+            experts = moe_block(layer, h, config)
+        m = rms_norm(m, layer["post_ffn_norm_1"], eps) + rms_norm(experts, layer["post_ffn_norm_2"], eps)
     h = h + rms_norm(m, layer["post_ffn_norm"], eps)
     if ple_l is not None:
         with jax.named_scope("per_layer_input"):
@@ -207,10 +201,26 @@ def lm_head(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm, tied head (or a separate `lm_head` form of it), softcap -> float32 logits."""
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
     logits = linear(h, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    logits = gather_vocab(logits)
     if config.final_logit_softcapping:
         cap = config.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)
     return logits
+
+
+def gather_vocab(logits: jax.Array) -> jax.Array:
+    """Under a mesh (`jax.set_mesh`, gemmax.engine.mesh): the vocab-split logits [..., V] gathered whole
+    on every tp device, rows left split over dp, so sampling (top-k, argmax) runs on local rows. With
+    no mesh (one device) it is the identity and adds nothing to the program."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return logits
+    dp, tp = mesh.shape.get("dp", 1), mesh.shape.get("tp", 1)
+    rows = "dp" if dp > 1 and logits.shape[0] % dp == 0 else None
+    middle = [None] * (logits.ndim - 2)
+    if tp > 1 and logits.shape[-1] % tp == 0:  # each device's vocab slice first: gather logits, not the table
+        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(rows, *middle, "tp"))
+    return jax.lax.with_sharding_constraint(logits, PartitionSpec(rows, *middle, None))
 
 
 def forward(

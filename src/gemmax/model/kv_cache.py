@@ -181,6 +181,11 @@ def _layer_bytes(config: ModelConfig, max_len: int, dtype_name: str) -> tuple[in
     return tuple(0 if layer is None else count_bytes(layer) for layer in abstract.layers)
 
 
+def layer_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> tuple[int, ...]:
+    """Bytes of each layer's cache (0 for KV-sharing layers), `batch` rows of `max_len` positions."""
+    return tuple(batch * size for size in _layer_bytes(config, max_len, jnp.dtype(dtype).name))
+
+
 def cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
     """Bytes of `init_cache(config, batch, max_len, dtype)`, from `jax.eval_shape` (nothing allocated)."""
     return batch * sum(_layer_bytes(config, max_len, jnp.dtype(dtype).name))
