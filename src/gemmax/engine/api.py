@@ -333,7 +333,9 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
         if request.ignore_eos or request.min_tokens:
             raise InvalidRequest("ignore_eos" if request.ignore_eos else "min_tokens",
                                  "cannot be combined with constrained output: the grammar decides where it ends")
-        check(request.constraint)
+        error = check(request.constraint)
+        if error:
+            raise InvalidRequest(request.constraint.param, error, "invalid_constraint")
 
 
 class Admission:

@@ -1,6 +1,6 @@
 """Constrained decoding: a request's constraint as a grammar, and per-step token masks on the host.
 
-A `Constraint` (gemmax.engine.api) is compiled by llguidance into a matcher over the checkpoint's
+A `Constraint` (gemmax.engine.api, duck-typed here: api imports this module) is compiled by llguidance into a matcher over the checkpoint's
 tokenizer (`ConstraintCompiler`). Before each sampling step of a constrained row the engine asks its
 matcher for the allowed tokens as a packed bitmask, int32 [ceil(V / 32)] (bit j of word i: token
 32 i + j), and the jitted sampler sets every other logit to -inf (`sampling.unpack_mask`). After the
@@ -26,15 +26,13 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from gemmax.engine.api import Constraint, InvalidRequest
-
 _JSON_OPTIONS = {"whitespace_flexible": False}  # one canonical spacing: a base model cannot wander off in blanks
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
 
 
-def grammar_of(constraint: Constraint) -> str:
-    """The llguidance grammar (its JSON form) of a constraint; raises InvalidRequest when the spec
-    is not even well-formed (the library's own check is `check`)."""
+def grammar_of(constraint) -> str:
+    """The llguidance grammar (its JSON form) of a `Constraint`; raises ValueError when the spec is
+    not even well-formed (the library's own check is `check`)."""
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
@@ -42,7 +40,7 @@ def grammar_of(constraint: Constraint) -> str:
         try:
             json.loads(spec)
         except ValueError as exc:
-            raise InvalidRequest(constraint.param, f"the JSON schema is not valid JSON: {exc}") from exc
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
@@ -52,21 +50,16 @@ def grammar_of(constraint: Constraint) -> str:
     if kind == "grammar":
         lark = llguidance.gbnf_to_lark.gbnf_to_lark(spec) if "::=" in spec else spec
         return llguidance.LLMatcher.grammar_from_lark(lark)
-    raise InvalidRequest(constraint.param, f"unknown constraint kind {kind!r}")
+    raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-def check(constraint: Constraint) -> None:
-    """Refuse (InvalidRequest, a 400) a constraint the library rejects, with its message."""
+def check(constraint) -> str | None:
+    """Why llguidance rejects a constraint (validate_request turns it into a 400), or None."""
     try:
-        grammar = grammar_of(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except InvalidRequest:
-        raise
+        error = llguidance.LLMatcher.validate_grammar(grammar_of(constraint))
     except Exception as exc:  # the converters raise on malformed input
         error = str(exc) or type(exc).__name__
-    if error:
-        raise InvalidRequest(constraint.param, f"the {constraint.kind} constraint was rejected: {error.strip()}",
-                             "invalid_constraint")
+    return f"the {constraint.kind} constraint was rejected: {error.strip()}" if error else None
 
 
 class ConstraintCompiler:
@@ -80,7 +73,7 @@ class ConstraintCompiler:
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def matcher(self, constraint) -> llguidance.LLMatcher:
         grammar = grammar_of(constraint)
         with self._lock:
             compiled = self._cache.get(grammar)
@@ -89,8 +82,7 @@ class ConstraintCompiler:
                 return compiled.deep_copy()
         compiled = llguidance.LLMatcher(self.tokenizer, grammar)
         if compiled.is_error():
-            raise InvalidRequest(constraint.param, f"the {constraint.kind} constraint was rejected: "
-                                 f"{compiled.get_error()}", "invalid_constraint")
+            raise ValueError(f"the {constraint.kind} constraint was rejected: {compiled.get_error()}")
         with self._lock:
             self._cache[grammar] = compiled
             while len(self._cache) > CACHE_SIZE:
