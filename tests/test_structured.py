@@ -47,8 +47,8 @@ def _schema(rng: random.Random, depth: int = 0) -> dict:
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
     if kind == "number":
-        low = rng.uniform(-10, 10)
-        return {"type": "number", "minimum": round(low, 2), "maximum": round(low + rng.uniform(0.5, 20), 2)}
+        low = rng.randint(-10, 10)  # multipleOf: without it a base model may write digits until max_tokens
+        return {"type": "number", "minimum": low, "maximum": low + rng.randint(1, 20), "multipleOf": 0.25}
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", "cat", "dog", "yes", "no", "alpha", "beta"], rng.randint(2, 4))}
     if kind == "string":
@@ -162,3 +162,92 @@ def test_rejected_constraints_are_invalid_requests(constraint):
     with pytest.raises(InvalidRequest) as info:
         validate_request(request, max_model_len=64, vocab_size=512)
     assert info.value.param == constraint.param and "constraint" in info.value.message or "JSON" in info.value.message
+
+
+# ------------------------------------------------------------------------------------------ the API
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    import openai
+
+    from fake_engine import running_server
+    from gemmax.server.app import ServerSettings, create_app
+
+    eng, tok = engine
+    with running_server(create_app(eng, tok, ServerSettings(served_model_name="builtin", model_root="/m"))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def test_tool_round_trip_named_and_required(engine, client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="builtin", messages=messages, tools=TOOLS, max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(call) == 1 and call[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(call[0].function.arguments), PARAMS["get_weather"])
+    # The call and its result go back through the chat template; the answer is plain content.
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call[0].id, "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model="builtin", messages=messages, tools=TOOLS, tool_choice="none",
+                                       max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    assert r.choices[0].message.tool_calls in (None, []) and r.choices[0].message.content
+    prompt = engine[1].decode(r.model_extra["prompt_token_ids"])
+    assert '{"temperature": 21}' in prompt and '"name": "get_weather"' in prompt  # the call and its result
+
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(
+            model="builtin", messages=[{"role": "user", "content": "Add 2 and 40, and get the weather in Oslo."}],
+            tools=TOOLS, tool_choice="required", max_tokens=100, temperature=0.7, seed=1, stream=True):
+        for c in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+            entry["name"] += c.function.name or ""
+            entry["arguments"] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and 1 <= len(calls) <= 4
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), PARAMS[entry["name"]])
+
+
+def test_response_format_and_structured_outputs(client):
+    import openai
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    r = client.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "A city and a rank."}],
+                                       max_tokens=40, temperature=0.7, seed=4, response_format={
+                                           "type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "Any JSON object."}],
+                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(r.choices[0].message.content), dict)
+
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="builtin", prompt="Date: ", max_tokens=16, temperature=1.0, seed=2, stream=True,
+        extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"}}))
+    assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", text), text
+    r = client.completions.create(model="builtin", prompt="Yes or no?", max_tokens=4,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="builtin", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "bad", "schema": {"type": "frobnicate"}}})
+    assert "frobnicate" in str(info.value) and info.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="builtin", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "[a-"}})
+    assert info.value.body["param"] == "structured_outputs.regex"
