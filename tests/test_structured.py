@@ -14,6 +14,7 @@ constraint does the work). One engine for the module; every batch goes through i
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import random
 import re
@@ -31,8 +32,13 @@ PROMPT = "Here is the record as JSON:\n"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     loaded = load_model(None, "float32")
-    eng = BatchEngine(loaded, max_model_len=160, max_batch=8, buckets=(16,), steps_per_dispatch=4,
-                      compile_cache_dir=str(tmp_path_factory.mktemp("xla"))).start()
+    eng = BatchEngine(loaded, max_model_len=512, max_batch=8, buckets=(64,), steps_per_dispatch=4,
+                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")))
+    # Full-batch decode steps only (no smaller groups): a quarter of the compiled decode shapes, free
+    # and masked. Free rows are still compared alone (7 idle neighbours) against constrained neighbours;
+    # the masked small-group step runs in tests/test_tool_calls_thinking.py and the benchmark.
+    eng.shapes = dataclasses.replace(eng.shapes, decode_groups=(8,))
+    eng.start()
     assert eng.wait_ready(600)
     yield eng, loaded.tokenizer
     eng.shutdown(drain_timeout=5)
@@ -122,11 +128,12 @@ def test_regex_and_choice_hold_on_a_hundred_samples(engine):
 
 ARITHMETIC = r"""
 start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")"
+expr: term (("+" | "-") term)?
+term: factor (("*" | "/") factor)?
+factor: NUMBER | "(" NUMBER OP NUMBER ")"
+OP: "+" | "-" | "*" | "/"
 NUMBER: /[1-9][0-9]{0,2}/
-"""
+"""  # a finite language: a base model never chooses to stop an open-ended one within max_tokens
 
 
 def _is_arithmetic(node) -> bool:
@@ -141,7 +148,7 @@ def test_arithmetic_grammar(engine):
     eng, tok = engine
     results = _many(eng, tuple(tok.encode("Compute: ")), Constraint("grammar", ARITHMETIC), 24, 24)
     done = [tok.decode(r.token_ids) for r in results if r.finish_reason == "stop"]
-    assert len(done) >= 12, [(r.finish_reason, tok.decode(r.token_ids)) for r in results]
+    assert len(done) == 24, [(r.finish_reason, tok.decode(r.token_ids)) for r in results]
     for text in done:
         assert re.fullmatch(r"[0-9+\-*/()]+", text), text  # the grammar has no blanks
         assert _is_arithmetic(ast.parse(text, mode="eval")), text
