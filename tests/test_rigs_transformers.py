@@ -162,6 +162,9 @@ def test_bad_requests_get_openai_errors(client, rig):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="top_k is not supported"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"top_k": 5})
+    with pytest.raises(openai.BadRequestError, match="structured_outputs is not supported"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                  extra_body={"structured_outputs": {"regex": "a+"}})
     with pytest.raises(openai.BadRequestError, match="stream"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"stream": "yes"})
 

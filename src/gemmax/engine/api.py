@@ -79,6 +79,18 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (gemmax.engine.constraints compiles it with llguidance).
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (spec unused), "regex",
+    "choice" (spec: a JSON list of strings) or "grammar" (Lark, or GBNF when it has `::=`).
+    `param` names the API field it came from, for a 400."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    param: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -90,6 +102,7 @@ class GenerationRequest:
     # True: max_tokens is capped by the context left after the prompt. False: a prompt + max_tokens
     # over max_model_len is refused (the OpenAI API's rule for an explicit max_tokens).
     fit_to_context: bool = True
+    constraint: Constraint | None = None  # None: free output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +327,15 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
     _number("presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _number("frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     _number("repetition_penalty", s.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+    if request.constraint is not None:
+        from gemmax.engine.constraints import check
+
+        if request.ignore_eos or request.min_tokens:
+            raise InvalidRequest("ignore_eos" if request.ignore_eos else "min_tokens",
+                                 "cannot be combined with constrained output: the grammar decides where it ends")
+        error = check(request.constraint)
+        if error:
+            raise InvalidRequest(request.constraint.param, error, "invalid_constraint")
 
 
 class Admission:

@@ -83,6 +83,7 @@ class _Slot:
     pad_tokens: int = 0
     uncompiled: bool = False
     tokens: list[int] = dataclasses.field(default_factory=list)
+    matcher: Any = None  # llguidance matcher of a constrained request (gemmax.engine.constraints)
 
 
 class BatchEngine:
@@ -139,6 +140,7 @@ class BatchEngine:
         self._stop = False
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        self._constraints = None  # ConstraintCompiler, built by the first constrained request
 
     # ------------------------------------------------------------------------------ Engine protocol
     @property
@@ -296,30 +298,33 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------------ device calls
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
-                     want_logprobs: bool):
+                     want_logprobs: bool, mask: np.ndarray | None = None):
         before = self.steps.prefill_step._cache_size()
         self.device, out = self.steps.prefill_step(
             self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
-            jnp.bool_(last_chunk), jnp.bool_(want_logprobs), config=self.config, precision=self.precision,
-            kv_len=self.shapes.kv_bound(start))
+            jnp.bool_(last_chunk), jnp.bool_(want_logprobs), None if mask is None else jnp.asarray(mask),
+            config=self.config, precision=self.precision, kv_len=self.shapes.kv_bound(start))
         return out, self.steps.prefill_step._cache_size() != before
 
-    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None):
+    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None,
+                         masks: np.ndarray | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`)
         as device arrays, still being computed. `kv_len` must cover every active row's position
-        through the last of these steps."""
+        through the last of these steps. `masks` (one step only): packed allowed-token masks per
+        slot or row of `rows` (constrained decoding)."""
         outputs = []
         want = jnp.asarray(self.want_logprobs)
         kv_len = kv_len or self.max_model_len
+        mask = None if masks is None else jnp.asarray(masks)
         for _ in range(steps):
             if rows is None:
-                self.device, out = self.steps.decode_step(self.params, self.device, want, config=self.config,
+                self.device, out = self.steps.decode_step(self.params, self.device, want, mask, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           **self._decode_options)
             else:
                 self.device, out = self.steps.decode_rows(self.params, self.device, want,
-                                                          jnp.asarray(rows, jnp.int32), config=self.config,
+                                                          jnp.asarray(rows, jnp.int32), mask, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           **self._decode_options)
             outputs.append(out)
@@ -410,6 +415,12 @@ class BatchEngine:
         self.device = set_sampling_row(self.device, jnp.int32(slot_index),
                                        row_values(request.sampling, prompt, self.config.vocab_size))
         want = request.logprobs is not None
+        mask = None
+        if request.constraint is not None:
+            compiler = self._constraint_compiler()
+            slot.matcher = compiler.matcher(request.constraint)
+            mask = compiler.masks(1)
+            compiler.fill(slot.matcher, mask, 0)
         start = 0
         chunks = plan_chunks(len(prompt), self.shapes.buckets)
         for index, (real, bucket) in enumerate(chunks):
@@ -418,7 +429,7 @@ class BatchEngine:
                 return
             chunk = np.zeros((1, bucket), np.int32)
             chunk[0, :real] = prompt[start : start + real]
-            out, compiled = self._run_prefill(chunk, slot_index, start, real, index == len(chunks) - 1, want)
+            out, compiled = self._run_prefill(chunk, slot_index, start, real, index == len(chunks) - 1, want, mask)
             slot.uncompiled |= compiled
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
@@ -433,14 +444,41 @@ class BatchEngine:
             # budget counts the token just produced; the device runs while tokens are still owed
             self.device = self.device.with_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
+    def _constraint_compiler(self):
+        """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""
+        if self._constraints is None:
+            from gemmax.engine.constraints import ConstraintCompiler
+
+            tokenizer = self.loaded.tokenizer
+            if tokenizer is None:
+                raise ValueError("constrained output needs the checkpoint's tokenizer, and this one has none")
+            self._constraints = ConstraintCompiler(tokenizer.backend.to_str(), self.config.vocab_size,
+                                                   self.eos_token_ids)
+        return self._constraints
+
+    def _constraint_masks(self, slot_of) -> np.ndarray | None:
+        """The next step's packed masks per row of `slot_of` when some row is constrained (free and
+        idle rows all ones), else None: a batch without constrained rows runs the mask-free step."""
+        constrained = [(j, self._slots[i].matcher) for j, i in enumerate(slot_of)
+                       if self._slots[i] is not None and self._slots[i].matcher is not None]
+        if not constrained:
+            return None
+        compiler = self._constraint_compiler()
+        masks = compiler.masks(len(slot_of))
+        for j, matcher in constrained:
+            compiler.fill(matcher, masks, j)
+        return masks
+
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
-        steps = self.steps_per_dispatch
+        slot_of = range(self.max_batch) if rows is None else rows
+        masks = self._constraint_masks(slot_of)
+        # A constrained row needs its sampled token on the host before the next step's mask: one step.
+        steps = self.steps_per_dispatch if masks is None else 1
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
         kv_len = self.shapes.kv_bound(furthest)
-        outputs = self._dispatch_decode(steps, rows, kv_len)
-        slot_of = range(self.max_batch) if rows is None else rows
+        outputs = self._dispatch_decode(steps, rows, kv_len, masks)
         for out in outputs:
             # Each step's tokens go out as soon as that step is done, while the device runs the next.
             ids, lps, top_ids, top_lps, active = jax.device_get(out)
@@ -464,6 +502,9 @@ class BatchEngine:
         slot.last_token_at = now
         if token in slot.stop_ids and len(slot.tokens) >= request.min_tokens:
             self._finish(i, "stop", stop_token=token)
+            return False
+        if slot.matcher is not None and not slot.matcher.consume_token(token):
+            self._finish(i, "error", error=f"constraint: token {token} refused ({slot.matcher.get_error()})")
             return False
         slot.tokens.append(token)
         top = None

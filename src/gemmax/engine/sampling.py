@@ -232,13 +232,26 @@ def _argmax(logits: jax.Array, block: int = 512) -> jax.Array:
     return (first_block * block + jnp.argmax(candidates == top, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, advance: jax.Array | None = None):
+def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:
+    """Packed token masks [B, ceil(V / 32)] i32 (bit j of word i: token 32 i + j allowed) -> [B, V] bool."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].astype(jnp.bool_)
+
+
+def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, advance: jax.Array | None = None,
+           mask: jax.Array | None = None):
     """logits [B, V] f32 -> (ids [B] i32, logprob [B] f32, top ids [B, K] i32, top logprobs [B, K] f32,
     new state). Logprobs are of the model's distribution (before penalties and temperature) and are
     computed only when some row asks (`want_logprobs` [B] bool). Only rows with `advance` [B] bool
     (default all) count the token in their state (step, penalty counts); the others keep it as it was,
-    without a select over the [B, V] arrays."""
+    without a select over the [B, V] arrays. `mask` [B, ceil(V / 32)] i32 (constrained decoding,
+    `unpack_mask`): tokens whose bit is 0 are never chosen; an all-ones row leaves its logits as they
+    are, so a free row draws the same token as without a mask. None (a separate compiled variant):
+    no mask work at all."""
     sampling = state.temperature > 0
+    logits_in = logits
+    if mask is not None:
+        logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
     def choose(penalised: jax.Array) -> jax.Array:  # [B, V] -> ids [B]
         greedy = _argmax(penalised)
@@ -255,7 +268,7 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, ad
     )
 
     def logprobs():
-        lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jax.nn.log_softmax(logits_in, axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return jnp.take_along_axis(lp, ids[:, None], axis=1)[:, 0], top_ids.astype(jnp.int32), top_lp
 

@@ -61,17 +61,18 @@ def _put_rows(tree, rows, slot):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
-def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, want_logprobs, *, config,
-                 precision, kv_len=None):
+def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, want_logprobs, mask=None, *,
+                 config, precision, kv_len=None):
     """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
     no extra shape) sample the row's first token from its last real position; earlier chunks leave
     the row's sampling state (step counter, penalty counts) untouched. Returns (device, (id, logprob,
-    top ids, top logprobs)); the slot's token, position and budget are the scheduler's to set."""
+    top ids, top logprobs)); the slot's token, position and budget are the scheduler's to set. `mask`
+    [1, ceil(V / 32)] i32: the allowed first tokens of a constrained request (None: free)."""
     row_cache = device.cache.rows(slot)
     logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                 precision=precision, kv_len=kv_len)
     ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(device.sampling, slot), want_logprobs[None],
-                                                 last_chunk[None])
+                                                 last_chunk[None], mask)
     device = dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot),
                                  sampling=_put_rows(device.sampling, row_state, slot))
     return device, (ids[0], lp[0], top_ids[0], top_lp[0])
@@ -97,13 +98,14 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
     return jnp.concatenate(logits, axis=0), cache
 
 
-def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
+def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, mask=None, row_invariant=False):
     """One decode step for every row of `device`. Rows with remaining == 0 are idle: they write
-    nothing and keep their token, position and sampling state."""
+    nothing and keep their token, position and sampling state. `mask` [B, ceil(V / 32)] i32: allowed
+    tokens per row (constrained decoding; None: every row free, no mask work compiled in)."""
     active = device.remaining > 0
     logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, active, config,
                                   precision, kv_len, row_invariant)
-    ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active, mask)
     ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
     device = DeviceState(cache=cache, sampling=sampling, tokens=ids, positions=device.positions + step,
@@ -115,14 +117,15 @@ _DECODE_STATIC = ("config", "precision", "kv_len", "row_invariant")
 
 
 @functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
-def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None, row_invariant=False):
+def decode_step(params, device: DeviceState, want_logprobs, mask=None, *, config, precision, kv_len=None,
+                row_invariant=False):
     """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
     Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
-    return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
+    return _decode(params, device, want_logprobs, config, precision, kv_len, mask, row_invariant)
 
 
 @functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
-def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None,
+def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
@@ -135,7 +138,7 @@ def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, pre
     sub = DeviceState(cache=device.cache.gather(rows, kv_len), sampling=jax.tree.map(per_row, device.sampling),
                       tokens=per_row(device.tokens), positions=per_row(device.positions),
                       remaining=per_row(device.remaining))
-    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len, row_invariant)
+    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len, mask, row_invariant)
     put = lambda a, b: a.at[rows].set(b)  # noqa: E731
     device = DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len),
                          sampling=jax.tree.map(put, device.sampling, sub.sampling), tokens=put(device.tokens, sub.tokens),

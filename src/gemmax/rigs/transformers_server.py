@@ -178,7 +178,10 @@ class HFGenerator:
 # min_tokens, and refuses what it cannot do (n > 1, several prompts, other sampling controls).
 UNSUPPORTED = {"top_k": (None, 0, -1), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
                "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "stop": (None, []),
-               "stop_token_ids": (None, []), "logit_bias": (None, {})}
+               "stop_token_ids": (None, []), "logit_bias": (None, {}),
+               # constrained output and forced tool calls (the gemmax server's grammars)
+               "response_format": (None, {"type": "text"}), "structured_outputs": (None, {}),
+               "tool_choice": (None, "none", "auto")}
 
 
 class APIError(Exception):
@@ -227,7 +230,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         if req.n != 1:
             raise APIError("this server generates one choice per request (n = 1)", "n")
         for name, defaults in UNSUPPORTED.items():
-            if getattr(req, name) not in defaults:
+            if getattr(req, name, None) not in defaults:
                 raise APIError(f"{name} is not supported by the transformers rig", name)
         room = gen.max_model_len - n_prompt
         max_tokens = max_tokens if max_tokens is not None else room

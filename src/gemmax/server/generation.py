@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gemmax.engine.api import (
+    Constraint,
     EngineNotReady,
     GenerationRequest,
     GenerationResult,
@@ -36,6 +37,13 @@ from gemmax.engine.api import (
 )
 from gemmax.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from gemmax.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from gemmax.server.tool_calls import (
+    OutputParser,
+    call_format,
+    gemma3_messages,
+    has_thought_channel,
+    tool_constraint,
+)
 
 log = logging.getLogger("gemmax.server")
 
@@ -95,7 +103,9 @@ def chat_prompt(tokenizer, messages: Sequence[ChatMessage], add_generation_promp
     if continue_final_message and plain[-1].get("role") != "assistant":
         raise bad_request("continue_final_message needs a final assistant message", "messages")
     kwargs = dict(template_kwargs or {})
-    if tools:
+    if call_format(tokenizer) == "gemma3" and (tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in plain)):
+        plain = gemma3_messages(plain, tools)  # Gemma 3's template knows no tools: prompt-based calls
+    elif tools:
         kwargs["tools"] = tools
     try:
         text = tokenizer.render_chat(plain, add_generation_prompt=add_generation_prompt, **kwargs)
@@ -221,6 +231,7 @@ class Job:
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self._pumps: list[asyncio.Task] = []
+        self.parsers: dict[int, OutputParser] = {}  # per choice index, when tools or a thought channel are read
 
     @property
     def renames(self) -> dict[str, str]:
@@ -239,6 +250,11 @@ class Job:
         req = self.request
         wanted = req.requested_max_tokens
         stop_ids = tuple(req.stop_token_ids or ())
+        constraint = Constraint(**req.constraint) if req.constraint is not None else None
+        tools = self.kind == "chat" and req.tools_active
+        if tools and constraint is None:
+            constraint = tool_constraint(req.tools, req.tool_choice, call_format(tokenizer), tokenizer)
+        reasoning = self.kind == "chat" and has_thought_channel(tokenizer)
         try:
             for p, prompt in enumerate(self.prompts):
                 room = max(engine.max_model_len - len(prompt.ids), 1)
@@ -248,6 +264,7 @@ class Job:
                         prompt_ids=tuple(prompt.ids), max_tokens=room if wanted is None else wanted,
                         sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
+                        constraint=constraint,
                     )
                     handle = engine.submit(gen, loop)
                     self.choices.append(Choice(
@@ -256,6 +273,9 @@ class Job:
                         StopStringMatcher(req.stop, req.include_stop_str_in_output),
                         req.min_tokens, frozenset(stop_ids),
                     ))
+                    if tools or reasoning:
+                        self.parsers[p * req.n + j] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
+                                                                   skip_special_tokens=req.skip_special_tokens)
         except BaseException as exc:
             self.close()
             mapped = engine_error(exc, self.renames) if isinstance(exc, Exception) else None
@@ -384,7 +404,13 @@ async def collect(job: Job) -> dict[str, Any]:
     choices = []
     for c in sorted(job.choices, key=lambda c: c.index):
         body: dict[str, Any] = {"index": c.index}
-        if chat:
+        parser = job.parsers.get(c.index)
+        if chat and parser is not None:
+            parser.update(c.token_ids, final=True)
+            body["message"] = parser.message()
+            if body["message"].get("tool_calls") and c.finish_reason == "stop":
+                c.finish_reason = "tool_calls"
+        elif chat:
             body["message"] = {"role": "assistant", "content": c.text}
         else:
             body["text"] = ((c.prompt.text or "") if job.request.echo else "") + c.text
@@ -419,11 +445,18 @@ async def stream(job: Job) -> AsyncIterator[str]:
         events = choice.take_events()
         offsets = choice.offsets[len(choice.offsets) - len(events) :] if events else []
         body: dict[str, Any] = {"index": choice.index}
-        if chat:
+        parser = job.parsers.get(choice.index)
+        finish_reason = choice.finish_reason
+        if chat and parser is not None:
+            delta = parser.update(choice.token_ids, final=finish)
+            if parser.calls and finish and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            body["delta"] = {"role": "assistant", **delta} if first else delta
+        elif chat:
             body["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         else:
             body["text"] = ((choice.prompt.text or "") if req.echo and first else "") + text
-        body.update(logprobs=job.logprobs(choice, events, offsets), finish_reason=choice.finish_reason if finish else None,
+        body.update(logprobs=job.logprobs(choice, events, offsets), finish_reason=finish_reason if finish else None,
                     stop_reason=choice.stop_reason if finish else None)
         if req.return_token_ids:
             body["token_ids"] = [e.token_id for e in events]
@@ -445,7 +478,7 @@ async def stream(job: Job) -> AsyncIterator[str]:
                 text = choice.on_token(event)
                 # With return_token_ids every token goes out at once (vLLM does the same), even while
                 # its text is held back (a partial UTF-8 character or a possible stop string).
-                if text or choice.index not in started or req.return_token_ids:
+                if text or choice.index not in started or req.return_token_ids or choice.index in job.parsers:
                     yield sse(chunk(choice, text, finish=False))
         if req.include_usage:
             yield sse({**job.header(obj), "choices": [], "usage": job.usage()})

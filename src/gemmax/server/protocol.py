@@ -4,8 +4,11 @@ Requests are pydantic models with `extra="allow"`: vLLM tolerates fields it does
 we (clients send `user`, `metadata`, ... freely). Types are strict (`"stream": "yes"` is a 400, not
 true; `"top_k": 1.5` is a 400, not 1). These models check the API's shapes only: the bounds of every
 value the engine receives are checked by the engine (`gemmax.engine.api.validate_request`), once. Fields that would change the output but are not
-implemented here (`logit_bias`, `suffix`, structured `response_format`, forced tool calls) are
-refused with a 400 rather than silently ignored. Union-typed fields are checked by validators that
+implemented here (`logit_bias`, `suffix`) are refused with a 400 rather than silently ignored.
+Structured output comes with vLLM's names: `response_format` (`json_object`, `json_schema`) and the
+`structured_outputs` extra (`json`, `regex`, `choice`, `grammar`), turned into one constraint
+(`SamplingFields.constraint`: the fields of an engine `Constraint`, as a dict: clients such as the
+rigs import this module and never the engine); the engine's validator refuses what llguidance rejects. Union-typed fields are checked by validators that
 raise one plain message, so a validation error never reaches the client as a list of pydantic
 union branches. `validation_message` turns a `ValidationError` into the one-line message of a 400.
 
@@ -15,9 +18,18 @@ docs/server.md and checked by the official `openai` client in the tests.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 64  # choices per request (each one is an engine request)
 
@@ -54,6 +66,9 @@ class SamplingFields(_Lenient):
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM extra: choices[i].token_ids and prompt_token_ids
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM extra: exactly one of json, regex, choice, grammar
+    _constraint: dict[str, str] | None = PrivateAttr(default=None)
 
     @field_validator("stop")
     @classmethod
@@ -74,7 +89,13 @@ class SamplingFields(_Lenient):
             raise ValueError("logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
+        self._constraint = _constraint(self.response_format, self.structured_outputs)
         return self
+
+    @property
+    def constraint(self) -> dict[str, str] | None:
+        """The engine constraint asked for by response_format or structured_outputs (None: free)."""
+        return self._constraint
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -83,6 +104,58 @@ class SamplingFields(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _spec(kind: str, spec: str, param: str) -> dict[str, str]:
+    return {"kind": kind, "spec": spec, "param": param}
+
+
+def _constraint(response_format: dict[str, Any] | None, structured: dict[str, Any] | None) -> dict[str, str] | None:
+    """One Constraint from the two ways of asking (both at once is refused)."""
+    found = None
+    if response_format is not None:
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            found = _spec("json_object", "", "response_format")
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("response_format.json_schema must be an object with a `schema` object")
+            if "strict" in spec and not isinstance(spec["strict"], bool | None):
+                raise ValueError("response_format.json_schema.strict must be a boolean")
+            # strict or not, the schema is enforced: a grammar cannot follow a schema loosely
+            found = _spec("json_schema", json.dumps(spec.get("schema", {})), "response_format")
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    if structured:
+        given = {k: v for k, v in structured.items() if k in _STRUCTURED_KINDS and v is not None}
+        unknown = sorted(set(structured) - set(_STRUCTURED_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported key(s) {unknown}; use one of json, regex, choice, grammar")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must give exactly one of json, regex, choice, grammar")
+        if found is not None:
+            raise ValueError("give either response_format or structured_outputs, not both")
+        key, value = next(iter(given.items()))
+        param = f"structured_outputs.{key}"
+        if key == "json":
+            if isinstance(value, str):
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            found = _spec("json_schema", json.dumps(value), param)
+        elif key == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            found = _spec("choice", json.dumps(value), param)
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{param} must be a non-empty string")
+            found = _spec(_STRUCTURED_KINDS[key], value, param)
+    return found
 
 
 class ContentPart(_Lenient):
@@ -94,6 +167,8 @@ class ChatMessage(_Lenient):
     role: str
     content: Any = None  # str | list[ContentPart] | None; checked below
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (arguments as JSON text)
+    tool_call_id: str | None = None  # a `role: tool` message's answer to a call
 
     @field_validator("content")
     @classmethod
@@ -122,7 +197,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self):
@@ -132,11 +206,31 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice other than 'none' or 'auto' is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("structured response_format is not supported by this server")
+        names = [t.get("function", {}).get("name") for t in self.tools or ()]
+        if self.tools is not None and not all(isinstance(t, dict) and t.get("type", "function") == "function"
+                                              and isinstance(t.get("function"), dict) and isinstance(n, str)
+                                              for t, n in zip(self.tools, names, strict=True)):
+            raise ValueError("tools must be a list of {type: function, function: {name, parameters}} objects")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError("tool_choice must be none, auto, required or {type: function, function: {name}}")
+            if name not in names:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        elif choice not in (None, "none", "auto", "required"):
+            raise ValueError("tool_choice must be none, auto, required or {type: function, function: {name}}")
+        if choice == "required" or isinstance(choice, dict):
+            if not self.tools:
+                raise ValueError("tool_choice required or a named function needs tools")
+            if self.constraint is not None:
+                raise ValueError("a forced tool call cannot be combined with response_format or structured_outputs")
         return self
+
+    @property
+    def tools_active(self) -> bool:
+        """Tool calls are parsed from the answer (tools given and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

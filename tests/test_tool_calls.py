@@ -1,0 +1,189 @@
+"""Tool calls and the thought channel through the real app on loopback, read by the official `openai`
+client, on scripted model outputs (a FakeEngine that plays a given answer, token by token):
+
+- Gemma 4 format (a tokenizer with `<|tool_call>`, `<tool_call|>`, `<|"|>`, `<|channel>`, `<channel|>`):
+  `auto` parses one and two (parallel) calls, with text before them, streamed and not; the client's
+  reassembled stream equals the non-streamed message; the thought channel is `reasoning_content`.
+- Gemma 3 format (the tiny tokenizer as it is): a JSON list of calls, a pythonic list, and plain text
+  that stays content; `role: tool` messages render into the prompt.
+- the forced choices' grammars (Gemma 4 and Gemma 3) accept a real call and refuse a wrong name.
+
+The built-in model's named and `required` round trip is in tests/test_structured.py (one engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import openai
+import pytest
+
+from fake_engine import FakeEngine, running_server
+from gemmax.server.app import ServerSettings, create_app
+from gemmax.server.tool_calls import call_format, tool_constraint
+from gemmax.weights.tokenizer import load_tokenizer
+from tiny_checkpoint import EOS_ID, SPECIALS, TURN_CLOSE_ID, write_tokenizer
+
+G4_SPECIALS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                                      "days": {"type": "integer"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}},
+]
+
+
+def gemma4_tokenizer_dir(directory: Path) -> Path:
+    """The tiny tokenizer with Gemma 4's tool and channel tokens as specials (ids 512..516)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    write_tokenizer(directory)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in G4_SPECIALS])
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers every request with `script` (token ids), then eos."""
+
+    script: list[int] = []
+
+    def _next_token(self, run):
+        k = run.position
+        run.position += 1
+        return self.script[k] if k < len(self.script) else self._eos[0]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """{"gemma4": (url, engine, tokenizer), "gemma3": ...} on loopback."""
+    out = {}
+    for name, directory in (("gemma4", gemma4_tokenizer_dir(tmp_path_factory.mktemp("g4"))),
+                            ("gemma3", write_tokenizer(tmp_path_factory.mktemp("g3")))):
+        tok = load_tokenizer(directory)
+        specials = {tok.token_to_id(s) for s in SPECIALS + G4_SPECIALS} - {None}
+        engine = ScriptedEngine(special_ids=specials, eos_token_ids=(EOS_ID, TURN_CLOSE_ID), vocab_size=tok.vocab_size,
+                                max_model_len=2048).start()
+        out[name] = (create_app(engine, tok, ServerSettings(served_model_name="tiny", model_root="/m")), engine, tok)
+    with running_server(out["gemma4"][0]) as url4, running_server(out["gemma3"][0]) as url3:
+        yield {"gemma4": (url4, out["gemma4"][1], out["gemma4"][2]), "gemma3": (url3, out["gemma3"][1], out["gemma3"][2])}
+
+
+def _ask(url, engine, tok, answer: str, stream: bool, **extra):
+    engine.script = tok.encode(answer, add_bos=False)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather?"}], tools=TOOLS,
+                  max_tokens=400, temperature=0, **extra)
+    if not stream:
+        return client.chat.completions.create(**kwargs).choices[0]
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        for call in delta.tool_calls or ():  # the client-side reassembly of streamed calls
+            entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = call.id or entry["id"]
+            entry["name"] += (call.function.name or "") if call.function else ""
+            entry["arguments"] += (call.function.arguments or "") if call.function else ""
+        finish = choice.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def _calls(message):
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
+
+
+G4_ONE = 'Let me look.<|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,days:3}<tool_call|>'
+G4_TWO = ('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+          '<|tool_call>call:add{a:1.5,b:-2}<tool_call|>')
+G4_THINK = '<|channel>thought\nThe user wants weather: call the tool.<channel|>' + G4_ONE
+
+
+@pytest.mark.parametrize("answer, content, reasoning, calls", [
+    (G4_ONE, "Let me look.", None, [("get_weather", {"city": 'Paris, "FR"', "days": 3})]),
+    (G4_TWO, None, None, [("get_weather", {"city": "Oslo"}), ("add", {"a": 1.5, "b": -2})]),
+    (G4_THINK, "Let me look.", "The user wants weather: call the tool.", [("get_weather", {"city": 'Paris, "FR"', "days": 3})]),
+    ("It is sunny in Paris.", "It is sunny in Paris.", None, []),
+])
+def test_gemma4_auto_calls_streamed_and_not(servers, answer, content, reasoning, calls):
+    url, engine, tok = servers["gemma4"]
+    assert call_format(tok) == "gemma4"
+    choice = _ask(url, engine, tok, answer, stream=False)
+    message = choice.message
+    assert message.content == content
+    assert (message.model_extra or {}).get("reasoning_content") == reasoning
+    assert _calls(message) == calls
+    assert choice.finish_reason == ("tool_calls" if calls else "stop")
+    assert len({c.id for c in message.tool_calls or ()}) == len(calls)
+
+    s_content, s_reasoning, s_calls, finish = _ask(url, engine, tok, answer, stream=True)
+    assert s_content == (content or "") and s_reasoning == (reasoning or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls
+    assert all(c["id"] for c in s_calls) and finish == choice.finish_reason
+
+
+@pytest.mark.parametrize("answer, content, calls", [
+    ('[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]',
+     None, [("get_weather", {"city": "Rome"}), ("add", {"a": 2, "b": 3})]),
+    ('```json\n{"name": "add", "parameters": {"a": 1, "b": 1}}\n```', None, [("add", {"a": 1, "b": 1})]),
+    ('[get_weather(city="Lima", days=2)]', None, [("get_weather", {"city": "Lima", "days": 2})]),
+    ("[citation needed] no call here", "[citation needed] no call here", []),
+])
+def test_gemma3_auto_calls_streamed_and_not(servers, answer, content, calls):
+    url, engine, tok = servers["gemma3"]
+    assert call_format(tok) == "gemma3"
+    choice = _ask(url, engine, tok, answer, stream=False)
+    assert choice.message.content == content and _calls(choice.message) == calls
+    s_content, _, s_calls, finish = _ask(url, engine, tok, answer, stream=True)
+    assert s_content == (content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls
+    assert finish == choice.finish_reason == ("tool_calls" if calls else "stop")
+
+
+def test_tool_choice_none_and_tool_messages(servers):
+    url, engine, tok = servers["gemma3"]
+    choice = _ask(url, engine, tok, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]', stream=False, tool_choice="none")
+    assert choice.message.tool_calls is None or choice.message.tool_calls == []
+    assert choice.message.content.startswith("[")
+    # A full round: the assistant's call and the tool's answer render into the prompt.
+    engine.script = tok.encode("It is 3.", add_bos=False)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "add 1 and 2"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == "It is 3."
+    prompt = tok.decode(engine.submitted[-1].prompt_ids, skip_special_tokens=False)
+    assert '"name": "add"' in prompt and "Tool result (call_1): 3" in prompt and "get_weather" in prompt
+
+
+@pytest.mark.parametrize("fmt", ["gemma4", "gemma3"])
+def test_forced_choice_grammars_accept_calls_and_refuse_other_names(servers, fmt):
+    _, _, tok = servers[fmt]
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=[EOS_ID])
+    named = tool_constraint(TOOLS, {"type": "function", "function": {"name": "add"}}, fmt, tok)
+    required = tool_constraint(TOOLS, "required", fmt, tok)
+    if fmt == "gemma4":
+        good, other = G4_TWO.split("<tool_call|>")[1] + "<tool_call|>", G4_TWO.split("<tool_call|>")[0] + "<tool_call|>"
+        both = G4_TWO
+    else:
+        good, other = '[{"name":"add","arguments":{"a":1,"b":2}}]', '[{"name":"get_weather","arguments":{"city":"x"}}]'
+        both = '[{"name":"get_weather","arguments":{"city":"x"}},{"name":"add","arguments":{"a":1,"b":2}}]'
+
+    def accepts(constraint, text):
+        from gemmax.engine.constraints import grammar_of
+
+        matcher = llguidance.LLMatcher(lltok, grammar_of(constraint))
+        ids = tok.encode(text, add_bos=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert accepts(named, good) and not accepts(named, other)
+    assert accepts(required, good) and accepts(required, other) and accepts(required, both)
+    assert not accepts(required, "Just text.")
