@@ -35,7 +35,7 @@ PYTHON_ENV = "GEMMAX_VLLM_PYTHON"
 MARKER = "gemmax_vllm_env.json"
 # the server module imports what it needs at start (transformers' image utilities import torchvision,
 # vLLM's audio media torchcodec, when they are installed)
-CPU_RESERVE_BYTES = 6 << 30  # what vLLM may reserve on CPU: the 270M model in float32 or E2B-shaped 6 layers
+CPU_RESERVE_BYTES = 4 << 30  # what vLLM may reserve on CPU: enough for the 270M model or E2B-shaped 6 layers
 CHECK = (f"import vllm, transformers, torch, {SERVER_MODULE}; "
          "print(vllm.__version__, transformers.__version__, torch.__version__)")
 
