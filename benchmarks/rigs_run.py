@@ -192,6 +192,43 @@ def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, refer
                 process.wait()
 
 
+def load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def report(models: list[str], rigs: list[str], args: argparse.Namespace, header: list[str]) -> list[str]:
+    """benchmarks/rigs.md from the result files on disk (so a partial run still reports what finished)."""
+    lines = list(header)
+    for model in models:
+        runs = [r for name in rigs if (r := load(args.out_dir / f"rigs-{model}-{name}.json")) is not None]
+        if not runs:
+            continue
+        missing = [name for name in rigs if name not in [r["label"] for r in runs]]
+        lines += [f"## {model}: {MODELS[model]}", "", f"Checkpoint `{runs[0]['rig']['command'][runs[0]['rig']['command'].index('--model') + 1]}`.", ""]
+        if missing:
+            lines += [f"Not run (the run was stopped before them): {', '.join(missing)}.", ""]
+        lines += ["| rig | launch to ready | prompt ids = transformers' | greedy tokens equal to transformers float32 "
+                  "| degenerate | output |", "|---|---:|---|---:|---|---|"]
+        for r in runs:
+            q = r["rig"]["quality"]
+            if q is None:
+                lines.append(f"| {r['label']} | {r['not_timed']} | | | | |")
+                continue
+            lines.append(f"| {r['label']} | {r['rig']['startup_s']:.1f} s | {q['prompt_ids_match']} | "
+                         f"{q['agree_prefix']}/{q['tokens']} | {q['degenerate']}"
+                         f"{' (not timed)' if q['judged_degenerate'] else ''} | {json.dumps(q['text'][:60])} |")
+        lines.append("")
+        timed = [r for r in runs if r["cells"]]
+        if len(timed) > 1:
+            comparison = compare_runs(timed)
+            lines.append(to_markdown(comparison))
+            wide_console().print(to_rich(comparison, title=f"{model}: {MODELS[model]}"))
+        if timed:
+            plot = plot_runs(timed, args.out_dir / f"rigs-{model}.png")
+            lines += ["", f"Plot: `results/{plot.name}`; result files `results/rigs-{model}-<rig>.json`.", ""]
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="builtin,e2b6", help=f"comma-separated: {', '.join(MODELS)}")
@@ -207,56 +244,38 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--markdown", type=Path, default=HERE / "rigs.md")
     parser.add_argument("--note", default="", help="a line for the markdown (e.g. what else ran on the machine)")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the markdown from the result files")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rigs = args.rigs.split(",")
+    rigs, models = args.rigs.split(","), args.models.split(",")
 
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    lines = ["# Rigs side by side: gemmax, transformers, vLLM", "",
-             f"Measured {stamp} on {platform.platform()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
-             f"dtype {args.dtype} for every rig; rigs run one at a time. Command:", "",
-             f"    {shlex.join([sys.executable, *sys.argv])}", ""]
+    header = ["# Rigs side by side: gemmax, transformers, vLLM", "",
+              f"Written {stamp} on {platform.platform()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
+              f"dtype {args.dtype} for every rig; rigs run one at a time. Command:", "",
+              f"    {shlex.join([sys.executable, *sys.argv])}", ""]
     if args.note:
-        lines += [args.note, ""]
+        header += [args.note, ""]
+    if args.report_only:
+        args.markdown.write_text("\n".join(report(models, rigs, args, header)) + "\n")
+        return 0
     summary = []
-    for model in args.models.split(","):
+    for model in models:
         path = model_path(model)
         reference = reference_tokens(path)
-        runs = []
         for name in rigs:
             result = bench_rig(model, path, name, args, reference)
             result["label"] = name
             write_json(result, args.out_dir / f"rigs-{model}-{name}.json")
             if result["cells"]:
                 print_run(result)
-            runs.append(result)
-        timed = [r for r in runs if r["cells"]]
-        lines += [f"## {model}: {MODELS[model]}", "", f"Checkpoint `{path}`.", "",
-                  "| rig | launch to ready | prompt ids = transformers' | greedy tokens equal to transformers float32 "
-                  "| degenerate | output |", "|---|---:|---|---:|---|---|"]
-        for r in runs:
-            q = r["rig"]["quality"]
-            if q is None:
-                lines.append(f"| {r['label']} | {r['not_timed']} | | | | |")
-                continue
-            lines.append(f"| {r['label']} | {r['rig']['startup_s']:.1f} s | {q['prompt_ids_match']} | "
-                         f"{q['agree_prefix']}/{q['tokens']} | {q['degenerate']}"
-                         f"{' (not timed)' if q['judged_degenerate'] else ''} | {json.dumps(q['text'][:60])} |")
-        lines.append("")
-        if len(timed) > 1:
-            comparison = compare_runs(timed)
-            lines.append(to_markdown(comparison))
-            wide_console().print(to_rich(comparison, title=f"{model}: {MODELS[model]}"))
-        if timed:
-            plot = plot_runs(timed, args.out_dir / f"rigs-{model}.png")
-            lines += ["", f"Plot: `results/{plot.name}`; result files `results/rigs-{model}-<rig>.json`.", ""]
-        args.markdown.write_text("\n".join(lines) + "\n")  # after each model: a partial run still reports
-        summary += [{"model": model, "rig": r["label"], "startup_s": r["rig"]["startup_s"],
-                     "agree_prefix": (r["rig"]["quality"] or {}).get("agree_prefix"),
-                     "not_timed": r.get("not_timed"),
-                     "cells": [{"input_len": c["input_len"], "concurrency": c["concurrency"],
-                                "decode_tok_s": c["stream"]["median"] if c["stream"] else None,
-                                "median_ttft_ms": c["median_ttft_ms"]} for c in r["cells"]]} for r in runs]
+            args.markdown.write_text("\n".join(report(models, rigs, args, header)) + "\n")  # after every rig
+            summary.append({"model": model, "rig": name, "startup_s": result["rig"]["startup_s"],
+                            "agree_prefix": (result["rig"]["quality"] or {}).get("agree_prefix"),
+                            "not_timed": result.get("not_timed"),
+                            "cells": [{"input_len": c["input_len"], "concurrency": c["concurrency"],
+                                       "decode_tok_s": c["stream"]["median"] if c["stream"] else None,
+                                       "median_ttft_ms": c["median_ttft_ms"]} for c in result["cells"]]})
     print(json.dumps({"rigs": rigs, "runs": summary}))
     return 0
 
