@@ -252,7 +252,7 @@ def main() -> int:
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     header = ["# Rigs side by side: gemmax, transformers, vLLM", "",
               f"Written {stamp} on {platform.platform()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
-              f"dtype {args.dtype} for every rig; rigs run one at a time. Command:", "",
+              f"dtype {args.dtype} for every rig; rigs run one at a time unless the note below says otherwise. Command:", "",
               f"    {shlex.join([sys.executable, *sys.argv])}", ""]
     if args.note:
         header += [args.note, ""]
