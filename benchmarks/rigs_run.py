@@ -1,35 +1,62 @@
-"""Side-by-side benchmark of runtimes serving the same weights: gemmax vs the HF transformers rig
-(and vLLM where it is installed), measured by the same harness from the wire.
+"""The three-way comparison: gemmax, the HF transformers rig and vLLM serving the same weights, one
+after another, measured by the same harness (`gemmax bench`'s sweep) from the wire.
 
-Rigs run one at a time (start, wait for /health, sweep, stop), so they never share the CPU. Writes
-one result JSON per rig, a comparison PNG and `benchmarks/rigs.md`; prints the comparison table and
-ends with one JSON line.
+Models: `builtin` (Gemma 3 270M, the built-in model's HF directory) and `e2b6` (random Gemma 4
+E2B-shaped weights with 6 layers, benchmarks/decode.py's checkpoint, saved in bfloat16 with the
+built-in tokenizer beside it so every rig counts and detokenizes the same ids). Per model and rig:
 
-    python benchmarks/rigs_run.py                        # the built-in model, default sweep
-    python benchmarks/rigs_run.py --model /path/to/hf_dir --dtype bfloat16 --rigs gemmax,transformers
-    python benchmarks/rigs_run.py --input-lens 41,521 --output-len 32 --repeats 3 --concurrency 1,2
+1. start the rig and time launch -> /health 200 (`startup_s`: process start, imports, weight load,
+   compilation / warm-up: what a user waits for);
+2. a quality check: the prompt "The capital of France is" (its ids from the rig's own /tokenize) and
+   CHECK_TOKENS greedy tokens, compared with transformers float32 run in this process on the same
+   checkpoint: `prompt_ids_match`, `agree_prefix` (leading tokens equal to the reference) and the
+   degeneracy verdict (gemmax.engine.degeneracy). A rig whose output is degenerate where the
+   reference's is not is reported as such and not timed;
+3. the sweep: inputs 41 / 521 / 2057 tokens at concurrency 1 (`--repeats` measured requests after a
+   warm-up request) and at concurrency 8 (`--repeats-batched` measured rounds of 8 after a warm-up
+   round), 64 forced output tokens (ignore_eos + min_tokens), greedy;
+4. stop it.
+
+Rigs run one at a time, so they never share the CPU with each other. Writes
+`results/rigs-<model>-<rig>.json` (the sweep result plus a `rig` entry: command, dtype, startup,
+quality), `results/rigs-<model>.png`, the rig logs `results/rig-<model>-<rig>.log` and
+`benchmarks/rigs.md`; prints the tables and ends with one JSON line.
+
+    python benchmarks/rigs_run.py                                   # both models, all three rigs
+    python benchmarks/rigs_run.py --models builtin --rigs gemmax,vllm --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 from gemmax.bench.compare import compare_runs, to_markdown, to_rich
 from gemmax.bench.plots import plot_runs
 from gemmax.bench.report import print_run, wide_console, write_json
 from gemmax.bench.sweep import SweepConfig, run_sweep
+from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
 HERE = Path(__file__).parent
+CHECK_PROMPT = "The capital of France is"
+CHECK_TOKENS = 64
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODELS = {"builtin": "Gemma 3 270M (the built-in model, Q4_K_M GGUF dequantised)",
+          "e2b6": "Gemma 4 E2B-shaped, 6 layers, random weights (seed 0)"}
 
 
 def free_port() -> int:
@@ -42,28 +69,120 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(",") if t.strip())
 
 
-def bench_rig(name: str, args: argparse.Namespace, log_dir: Path) -> dict:
-    options = RigOptions(model=args.model, port=free_port(), dtype=args.dtype, max_model_len=args.max_model_len,
-                         max_batch=args.max_batch)
+def model_path(name: str) -> Path:
+    from gemmax.weights.builtin import default_model_path
+
+    builtin = default_model_path()
+    if name == "builtin":
+        return builtin
+    from platformdirs import user_cache_dir
+
+    target = Path(user_cache_dir("gemmax")) / "bench" / "e2b6-seed0"
+    if not (target / "model.safetensors").is_file():
+        sys.path.insert(0, str(HERE))
+        from decode import build_checkpoint
+
+        print(f"[e2b6] building the random E2B-shaped 6-layer checkpoint in {target}", file=sys.stderr)
+        staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        build_checkpoint(staging)
+        for file in TOKENIZER_FILES:
+            shutil.copy(builtin / file, staging / file)
+        os.replace(staging, target)
+    return target
+
+
+def reference_tokens(path: Path) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids) from transformers float32 in this process: AutoTokenizer on the
+    checkpoint's own tokenizer files, CHECK_TOKENS tokens with eos suppressed as the rigs are asked."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(path)(CHECK_PROMPT).input_ids
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=CHECK_TOKENS, min_new_tokens=CHECK_TOKENS,
+                             do_sample=False)
+    del model
+    gc.collect()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+def quality_check(url: str, reference: tuple[list[int], list[int]]) -> dict:
+    """The rig's prompt ids and greedy tokens for CHECK_PROMPT against the transformers float32 reference."""
+    ref_prompt, ref_out = reference
+    with httpx.Client(base_url=url, timeout=600.0) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        prompt_ids = client.post("/tokenize", json={"model": model, "prompt": CHECK_PROMPT}).json()["tokens"]
+        ids: list[int] = []
+        text = ""
+        payload = {"model": model, "prompt": CHECK_PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0.0,
+                   "ignore_eos": True, "min_tokens": CHECK_TOKENS, "return_token_ids": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=payload) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    ids += choice.get("token_ids") or []
+                    text += choice.get("text") or ""
+    agree = next((i for i, (a, b) in enumerate(zip(ids, ref_out, strict=False)) if a != b), min(len(ids), len(ref_out)))
+    verdict, ref_verdict = check_degeneracy(ids), check_degeneracy(ref_out)
+    return {"prompt": CHECK_PROMPT, "prompt_ids": prompt_ids, "prompt_ids_match": prompt_ids == ref_prompt,
+            "token_ids": ids, "text": text, "reference_token_ids": ref_out, "agree_prefix": agree,
+            "tokens": len(ids), "degenerate": verdict.degenerate, "degenerate_reason": verdict.reason,
+            "reference_degenerate": ref_verdict.degenerate,
+            "judged_degenerate": verdict.degenerate and not ref_verdict.degenerate}
+
+
+def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, reference) -> dict:
+    options = RigOptions(model=str(path), port=free_port(), dtype=args.dtype, max_model_len=args.max_model_len,
+                         max_batch=max(args.concurrency))
+    rig = get_rig(name)
     url = f"http://127.0.0.1:{options.port}"
-    log_path = log_dir / f"rig-{name}.log"
-    print(f"[{name}] {shlex.join(get_rig(name).command(options))}  (log: {log_path})", file=sys.stderr)
+    log_path = args.out_dir / f"rig-{model}-{name}.log"
+    if rig.prepare is not None:
+        rig.prepare()  # the vLLM environment, created once (not counted in start-up)
+    command = rig.command(options)
+    print(f"[{model}/{name}] {shlex.join(command)}  (log: {log_path})", file=sys.stderr)
     with open(log_path, "wb") as log:
-        process = get_rig(name).start(options, stdout=log, stderr=subprocess.STDOUT)
+        t0 = time.perf_counter()
+        process = rig.start(options, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(url, timeout_s=args.startup_timeout, process=process)
-            config = SweepConfig(base_url=url, input_lens=args.input_lens, output_len=args.output_len,
-                                 repeats=args.repeats, concurrency=args.concurrency, label=name,
-                                 decode_source=args.decode_source, vocab_size=args.vocab_size,
-                                 price_per_hour=args.price_per_hour)
-            done = [0]
-
-            def progress(record) -> None:
-                done[0] += 1
-                print(f"\r[{name}] {done[0]}/{config.planned_requests()} requests", end="", file=sys.stderr)
-
-            result = run_sweep(config, progress)
-            print(file=sys.stderr)
+            try:
+                wait_healthy(url, timeout_s=args.startup_timeout, process=process)
+            except (RuntimeError, TimeoutError) as exc:  # reported, and the other rigs still run
+                print(f"[{model}/{name}] failed to start: {exc}", file=sys.stderr)
+                return {"label": name, "cells": [], "not_timed": f"failed to start: {exc}",
+                        "rig": {"name": name, "command": command, "dtype": args.dtype, "startup_s": None,
+                                "quality": None}}
+            startup = time.perf_counter() - t0
+            print(f"[{model}/{name}] ready in {startup:.1f} s", file=sys.stderr)
+            quality = quality_check(url, reference)
+            print(f"[{model}/{name}] quality: agree {quality['agree_prefix']}/{quality['tokens']}, prompt ids "
+                  f"match {quality['prompt_ids_match']}, degenerate {quality['degenerate']}: {quality['text'][:80]!r}",
+                  file=sys.stderr)
+            info = {"name": name, "command": command, "dtype": args.dtype, "startup_s": round(startup, 1),
+                    "quality": quality}
+            if quality["judged_degenerate"]:
+                return {"label": name, "rig": info, "cells": [], "not_timed": "degenerate output"}
+            result = None
+            for concurrency, repeats in ((1, args.repeats), (8, args.repeats_batched)):
+                if concurrency not in args.concurrency:
+                    continue
+                config = SweepConfig(base_url=url, input_lens=args.input_lens, output_len=args.output_len,
+                                     repeats=repeats, concurrency=(concurrency,), label=name,
+                                     decode_source="stream")
+                part = run_sweep(config)
+                if result is None:
+                    result = part
+                else:
+                    result["cells"] += part["cells"]
+                    result["finished"] = part["finished"]
+                    result["server"]["health_after"] = part["server"]["health_after"]
+                print(f"[{model}/{name}] c={concurrency} done", file=sys.stderr)
+            result["rig"] = info
+            return result
         finally:
             process.terminate()
             try:
@@ -71,59 +190,93 @@ def bench_rig(name: str, args: argparse.Namespace, log_dir: Path) -> dict:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-    return result
+
+
+def load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def report(models: list[str], rigs: list[str], args: argparse.Namespace, header: list[str]) -> list[str]:
+    """benchmarks/rigs.md from the result files on disk (so a partial run still reports what finished)."""
+    lines = list(header)
+    for model in models:
+        runs = [r for name in rigs if (r := load(args.out_dir / f"rigs-{model}-{name}.json")) is not None]
+        if not runs:
+            continue
+        missing = [name for name in rigs if name not in [r["label"] for r in runs]]
+        lines += [f"## {model}: {MODELS[model]}", "", f"Checkpoint `{runs[0]['rig']['command'][runs[0]['rig']['command'].index('--model') + 1]}`.", ""]
+        if missing:
+            lines += [f"Not run (the run was stopped before them): {', '.join(missing)}.", ""]
+        lines += ["| rig | launch to ready | prompt ids = transformers' | greedy tokens equal to transformers float32 "
+                  "| degenerate | output |", "|---|---:|---|---:|---|---|"]
+        for r in runs:
+            q = r["rig"]["quality"]
+            if q is None:
+                lines.append(f"| {r['label']} | {r['not_timed']} | | | | |")
+                continue
+            lines.append(f"| {r['label']} | {r['rig']['startup_s']:.1f} s | {q['prompt_ids_match']} | "
+                         f"{q['agree_prefix']}/{q['tokens']} | {q['degenerate']}"
+                         f"{' (not timed)' if q['judged_degenerate'] else ''} | {json.dumps(q['text'][:60])} |")
+        lines.append("")
+        timed = [r for r in runs if r["cells"]]
+        if len(timed) > 1:
+            comparison = compare_runs(timed)
+            lines.append(to_markdown(comparison))
+            wide_console().print(to_rich(comparison, title=f"{model}: {MODELS[model]}"))
+        if timed:
+            plot = plot_runs(timed, args.out_dir / f"rigs-{model}.png")
+            lines += ["", f"Plot: `results/{plot.name}`; result files `results/rigs-{model}-<rig>.json`.", ""]
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in model)")
-    parser.add_argument("--rigs", default="gemmax,transformers", help="comma-separated rig names (first = baseline)")
+    parser.add_argument("--models", default="builtin,e2b6", help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--rigs", default="gemmax,transformers,vllm", help="comma-separated rig names (first = baseline)")
     parser.add_argument("--dtype", default="bfloat16", help="the same weight/activation dtype for every rig")
-    parser.add_argument("--input-lens", type=ints, default=(41, 521, 2057, 3593))
+    parser.add_argument("--input-lens", type=ints, default=(41, 521, 2057))
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--concurrency", type=ints, default=(1,))
-    parser.add_argument("--decode-source", default="auto")
+    parser.add_argument("--concurrency", type=ints, default=(1, 8))
+    parser.add_argument("--repeats", type=int, default=4, help="measured requests per cell at concurrency 1")
+    parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds of 8 at concurrency 8")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-batch", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=None, help="only for checkpoints without a tokenizer")
-    parser.add_argument("--price-per-hour", type=float, default=None)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
     parser.add_argument("--markdown", type=Path, default=HERE / "rigs.md")
+    parser.add_argument("--note", default="", help="a line for the markdown (e.g. what else ran on the machine)")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the markdown from the result files")
     args = parser.parse_args()
-    if args.model is None:
-        from gemmax.weights.builtin import default_model_path
-
-        args.model = str(default_model_path())
     args.out_dir.mkdir(parents=True, exist_ok=True)
-
-    runs = []
-    for name in args.rigs.split(","):
-        result = bench_rig(name, args, args.out_dir)
-        write_json(result, args.out_dir / f"rigs-{name}.json")
-        print_run(result)
-        runs.append(result)
-    comparison = compare_runs(runs) if len(runs) > 1 else None
-    plot = plot_runs(runs, args.out_dir / "rigs.png")
+    rigs, models = args.rigs.split(","), args.models.split(",")
 
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    command = shlex.join([sys.executable, *sys.argv])
-    lines = [
-        "# Rigs side by side", "",
-        f"Measured {stamp} on {platform.platform()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}).",
-        f"Model `{args.model}`, dtype {args.dtype}, rigs run one at a time. Command:", "",
-        f"    {command}", "",
-        f"Result files: `{args.out_dir}/rigs-<rig>.json`; plot: `{plot.name}`.", "",
-    ]
-    if comparison is not None:
-        lines.append(to_markdown(comparison))
-        wide_console().print(to_rich(comparison))
-    args.markdown.write_text("\n".join(lines) + "\n")
-    print(json.dumps({"rigs": [r["label"] for r in runs], "model": args.model, "cells": [
-        {"rig": r["label"], "input_len": c["input_len"], "concurrency": c["concurrency"],
-         "decode_tok_s": c["stream"]["median"] if c["stream"] else None, "median_ttft_ms": c["median_ttft_ms"]}
-        for r in runs for c in r["cells"]]}))
+    header = ["# Rigs side by side: gemmax, transformers, vLLM", "",
+              f"Written {stamp} on {platform.platform()}, {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
+              f"dtype {args.dtype} for every rig; rigs run one at a time unless the note below says otherwise. Command:", "",
+              f"    {shlex.join([sys.executable, *sys.argv])}", ""]
+    if args.note:
+        header += [args.note, ""]
+    if args.report_only:
+        args.markdown.write_text("\n".join(report(models, rigs, args, header)) + "\n")
+        return 0
+    summary = []
+    for model in models:
+        path = model_path(model)
+        reference = reference_tokens(path)
+        for name in rigs:
+            result = bench_rig(model, path, name, args, reference)
+            result["label"] = name
+            write_json(result, args.out_dir / f"rigs-{model}-{name}.json")
+            if result["cells"]:
+                print_run(result)
+            args.markdown.write_text("\n".join(report(models, rigs, args, header)) + "\n")  # after every rig
+            summary.append({"model": model, "rig": name, "startup_s": result["rig"]["startup_s"],
+                            "agree_prefix": (result["rig"]["quality"] or {}).get("agree_prefix"),
+                            "not_timed": result.get("not_timed"),
+                            "cells": [{"input_len": c["input_len"], "concurrency": c["concurrency"],
+                                       "decode_tok_s": c["stream"]["median"] if c["stream"] else None,
+                                       "median_ttft_ms": c["median_ttft_ms"]} for c in result["cells"]]})
+    print(json.dumps({"rigs": rigs, "runs": summary}))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Rig registry and the vLLM command line (vLLM is not installable here: its command is the contract)."""
+"""Rig registry and the vLLM command line (the fake and the real vLLM run in tests/test_rigs_vllm.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from typer.testing import CliRunner
 
 from gemmax.cli import app
 from gemmax.rigs.registry import RIGS, RigOptions, get_rig
-from gemmax.rigs.vllm import VllmSettings, vllm_available, vllm_command
+from gemmax.rigs.vllm import (
+    SERVER_MODULE,
+    VllmSettings,
+    cpu_memory_fraction,
+    vllm_available,
+    vllm_command,
+    vllm_python,
+)
 
 runner = CliRunner()
 
@@ -24,7 +31,7 @@ def test_vllm_command_carries_the_same_settings():
     argv = vllm_command(VllmSettings(model="google/gemma-4-E2B-it", port=8123, dtype="bfloat16", max_model_len=4096,
                                      max_num_seqs=4, served_model_name="gemma", api_key="k",
                                      extra_args=("--enforce-eager",)))
-    assert argv[:3] == ["vllm", "serve", "google/gemma-4-E2B-it"]
+    assert argv[:5] == ["python", "-m", SERVER_MODULE, "--model", "google/gemma-4-E2B-it"]
     assert flag(argv, "--port") == "8123" and flag(argv, "--host") == "127.0.0.1"
     assert flag(argv, "--dtype") == "bfloat16" and flag(argv, "--max-model-len") == "4096"
     assert flag(argv, "--max-num-seqs") == "4" and flag(argv, "--served-model-name") == "gemma"
@@ -34,16 +41,14 @@ def test_vllm_command_carries_the_same_settings():
         VllmSettings(model="m", dtype="int3")
 
 
-def test_rig_vllm_cli_dry_run_and_missing_vllm():
+def test_rig_vllm_cli_dry_run():
     result = runner.invoke(app, ["rig", "vllm", "--model", "/models/g4", "--port", "8200", "--max-model-len", "2048",
                                  "--max-num-seqs", "2", "--dry-run", "--enforce-eager"])
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.strip())
-    assert argv == vllm_command(VllmSettings(model="/models/g4", port=8200, max_model_len=2048, max_num_seqs=2,
-                                             extra_args=("--enforce-eager",)))
-    if vllm_available() is None:  # this machine: a clear refusal that shows the command
-        result = runner.invoke(app, ["rig", "vllm", "--model", "/models/g4"])
-        assert result.exit_code == 2 and "vllm serve /models/g4" in result.output
+    settings = VllmSettings(model="/models/g4", port=8200, max_model_len=2048, max_num_seqs=2,
+                            gpu_memory_utilization=cpu_memory_fraction(), extra_args=("--enforce-eager",))
+    assert argv == vllm_command(settings, python=vllm_python() or "python")
 
 
 def test_registry_lists_and_builds_every_rig():
@@ -60,7 +65,7 @@ def test_registry_lists_and_builds_every_rig():
     with pytest.raises(ValueError, match="unknown rig"):
         get_rig("llamacpp")
     if vllm_available() is None:
-        with pytest.raises(RuntimeError, match="vllm serve /ckpt"):
+        with pytest.raises(RuntimeError, match=f"-m {SERVER_MODULE} --model /ckpt"):
             get_rig("vllm").start(options)
 
 

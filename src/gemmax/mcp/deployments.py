@@ -336,7 +336,7 @@ class Deployments:
         if wait:
             try:
                 wait_healthy(record.base_url, timeout_s, process)
-            except (RuntimeError, TimeoutError) as exc:
+            except Exception as exc:  # whatever failed while it started, the rig is stopped and removed
                 self.stop(name, timeout_s=10.0)
                 tail = "\n".join(_tail(log, LOG_TAIL_ON_ERROR))
                 raise DeploymentError(f"{rig} on port {port} did not become healthy: {exc}; it was stopped and "

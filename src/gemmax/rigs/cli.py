@@ -47,29 +47,45 @@ def vllm(
     model: str = typer.Option(..., help="HF directory or hub id"),
     port: int = typer.Option(8002),
     host: str = typer.Option("127.0.0.1"),
-    dtype: str = typer.Option("bfloat16"),
+    dtype: str = typer.Option(None, help="default: the device policy's (float16 below SM 8.0, else bfloat16)"),
     max_model_len: int = typer.Option(None),
     max_num_seqs: int = typer.Option(None, help="batch slots (= gemmax --max-batch)"),
     served_model_name: str = typer.Option(None),
     seed: int = typer.Option(0),
     api_key: str = typer.Option(None),
+    python: str = typer.Option(None, help="an interpreter with vllm installed (default: the rig's own environment, "
+                                          "created on first use under the user cache)"),
+    setup: bool = typer.Option(False, "--setup", help="only create (or check) the vLLM environment, then exit"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the command instead of running it"),
 ) -> None:
-    """Run `vllm serve` for the same model and settings (extra arguments pass through to vLLM)."""
-    from gemmax.rigs.vllm import VllmSettings, exec_vllm, vllm_command
+    """Run vLLM's OpenAI server for the same model and settings (extra arguments pass through to vLLM)."""
+    from gemmax.rigs.vllm import (
+        VllmSettings,
+        cpu_memory_fraction,
+        ensure_env,
+        exec_vllm,
+        vllm_command,
+        vllm_dtype,
+        vllm_python,
+    )
 
     try:
-        settings = VllmSettings(model=model, port=port, host=host, dtype=dtype, max_model_len=max_model_len,
+        settings = VllmSettings(model=model, port=port, host=host, dtype=dtype or vllm_dtype(),
+                                max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, served_model_name=served_model_name, seed=seed,
-                                api_key=api_key, extra_args=tuple(ctx.args))
+                                api_key=api_key, gpu_memory_utilization=cpu_memory_fraction(),
+                                extra_args=tuple(ctx.args))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    argv = vllm_command(settings)
     if dry_run:
-        typer.echo(shlex.join(argv))
+        typer.echo(shlex.join(vllm_command(settings, python=vllm_python(python) or "python")))
         return
     try:
-        exec_vllm(argv)
-    except FileNotFoundError as exc:
+        interpreter = ensure_env(python)
+    except RuntimeError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from exc
+    if setup:
+        typer.echo(interpreter)
+        return
+    exec_vllm(vllm_command(settings, python=interpreter))

