@@ -30,6 +30,7 @@ from gemmax.deploy.aws import TAG, AwsSpec, AwsTarget
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry
 from gemmax.mcp.server import build_server
+from mcp_support import error, ok
 
 pytestmark = pytest.mark.timeout(120)
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
@@ -57,15 +58,6 @@ async def serving(app, port: int):
         server.should_exit = True
         await task
 
-
-def ok(result) -> dict:
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-def error(result) -> str:
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 @pytest.fixture(scope="module")

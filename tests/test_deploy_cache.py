@@ -21,21 +21,13 @@ from mcp import Client
 from deploy_support import moto_server
 from gemmax.mcp import server as ops
 from gemmax.rigs.registry import wait_healthy
+from mcp_support import error, ok
 from tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 SERVE = ["--dtype", "float32", "--max-model-len", "64", "--max-batch", "1"]
 URL = "s3://gemmax-cache/tiny/xla.tar.gz"
 
-
-def ok(result) -> dict:
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-def error(result) -> str:
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 def free_port() -> int:

@@ -32,20 +32,12 @@ import pytest
 from mcp import Client
 
 from gemmax.mcp.server import build_server
+from mcp_support import error, ok
 from tiny_checkpoint import write_tokenizer
 
 pytestmark = pytest.mark.timeout(150)
 TESTS = Path(__file__).parent
 
-
-def ok(result) -> dict:
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-def error(result) -> str:
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 def shim_wheel(directory: Path, tokenizer: Path) -> Path:

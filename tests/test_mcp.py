@@ -29,6 +29,7 @@ from mcp import Client, StdioServerParameters
 import gemmax
 from gemmax.mcp import server as ops
 from gemmax.mcp.server import build_server
+from mcp_support import error, ok
 from tiny_checkpoint import write_tiny_checkpoint
 
 TOOLS = {"list_rigs", "start_deployment", "stop_deployment", "list_deployments", "deployment_status",
@@ -44,15 +45,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-def ok(result) -> dict:
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-def error(result) -> str:
-    assert result.is_error, result.structured_content
-    return result.content[0].text
 
 
 async def call(tool: str, **arguments) -> object:
