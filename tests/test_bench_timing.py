@@ -34,7 +34,7 @@ def deviation(record: RequestRecord, served) -> float:
     return max(errors)
 
 
-async def timed(script: Script, max_tokens: int, attempts: int = 3) -> tuple[RequestRecord, object, float]:
+async def timed(script: Script, max_tokens: int, attempts: int = 8) -> tuple[RequestRecord, object, float]:
     """(record, what the server sent, worst deviation) of the best of `attempts` identical requests.
 
     The machine is a shared 2-core box: the OS can preempt this process between the server's write

@@ -63,7 +63,7 @@ def test_config_accepts_flat_and_per_layer_global_head_dim_alike():
     ("change", "message"),
     [
         ({"model_type": "llama"}, "unsupported model_type 'llama'"),
-        ({"enable_moe_block": True}, "enable_moe_block=True"),
+        ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),  # MoE runs (test_family_parity) when sized
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_kv_shared_layers": 35}, "no layer to produce"),
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1.0},
