@@ -93,6 +93,8 @@ class BatchEngine:
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
                  batch_invariant: bool = False):
+        if batch_invariant and mesh is not None:
+            raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -121,10 +123,7 @@ class BatchEngine:
             self.params = shard_params(self.params, self.config, self.mesh)
             log.info("%s", mesh_summary(mesh, self.config, self.mesh))
         self.steps_per_dispatch = steps_per_dispatch
-        if batch_invariant and mesh is not None:
-            raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
-        self._decode_options = {"row_invariant": True} if batch_invariant else {}
         self.device: DeviceState | None = None  # allocated by warm-up
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
@@ -321,12 +320,12 @@ class BatchEngine:
             if rows is None:
                 self.device, out = self.steps.decode_step(self.params, self.device, want, mask, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
-                                                          **self._decode_options)
+                                                          row_invariant=self.batch_invariant)
             else:
                 self.device, out = self.steps.decode_rows(self.params, self.device, want,
                                                           jnp.asarray(rows, jnp.int32), mask, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
-                                                          **self._decode_options)
+                                                          row_invariant=self.batch_invariant)
             outputs.append(out)
         return outputs
 

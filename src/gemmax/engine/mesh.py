@@ -139,13 +139,14 @@ def mesh_steps(mesh: Mesh, config: ModelConfig, slots: int, max_len: int, precis
     state = state_shardings(abstract, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def jit(fn):
-        return _OnMesh(mesh, jax.jit(fn.__wrapped__, static_argnames=("config", "precision", "kv_len"),
+    def jit(fn, static):
+        return _OnMesh(mesh, jax.jit(fn.__wrapped__, static_argnames=static,
                                      donate_argnames=("device",), out_shardings=(state, replicated)))
 
     init = jax.jit(steps.init_device_state, static_argnums=(0, 1, 2, 3), out_shardings=state)
-    return MeshSteps(mesh=mesh, prefill_step=jit(steps.prefill_step), decode_step=jit(steps.decode_step),
-                     decode_rows=jit(steps.decode_rows), init_device_state=init)
+    return MeshSteps(mesh=mesh, prefill_step=jit(steps.prefill_step, steps.PREFILL_STATIC),
+                     decode_step=jit(steps.decode_step, steps.DECODE_STATIC),
+                     decode_rows=jit(steps.decode_rows, steps.DECODE_STATIC), init_device_state=init)
 
 
 def mesh_summary(spec: MeshSpec, config: ModelConfig, mesh: Mesh) -> str:

@@ -60,7 +60,12 @@ def _put_rows(tree, rows, slot):
     return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0), tree, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision", "kv_len"), donate_argnames=("device",))
+# Static arguments of the steps (gemmax.engine.mesh compiles the same functions for a mesh with these).
+PREFILL_STATIC = ("config", "precision", "kv_len")
+DECODE_STATIC = (*PREFILL_STATIC, "row_invariant")
+
+
+@functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
 def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, want_logprobs, mask=None, *,
                  config, precision, kv_len=None):
     """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
@@ -113,10 +118,7 @@ def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_le
     return device, (ids, lp, top_ids, top_lp, active)
 
 
-_DECODE_STATIC = ("config", "precision", "kv_len", "row_invariant")
-
-
-@functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
+@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_step(params, device: DeviceState, want_logprobs, mask=None, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
@@ -124,7 +126,7 @@ def decode_step(params, device: DeviceState, want_logprobs, mask=None, *, config
     return _decode(params, device, want_logprobs, config, precision, kv_len, mask, row_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=_DECODE_STATIC, donate_argnames=("device",))
+@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
