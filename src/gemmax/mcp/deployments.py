@@ -202,6 +202,7 @@ class Deployments:
         self.file = self.root / "deployments.json"
         self.logs = self.root / "logs"
         self._children: dict[int, subprocess.Popen] = {}  # pid -> Popen for processes started here
+        self._keys: dict[str, str] = {}  # name -> the API key a deployment started here was given (never on disk)
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- registry file
@@ -327,6 +328,10 @@ class Deployments:
                                      start_new_session=True, env=_rig_env(api_key))
             with self._lock:
                 self._children[process.pid] = process
+                if api_key:
+                    self._keys[name] = api_key
+                else:
+                    self._keys.pop(name, None)
             record = DeploymentRecord(
                 name=name, rig=rig, model=options.model, host=host, port=port, pid=process.pid,
                 process_started=psutil.Process(process.pid).create_time(), command=spec.command(options),
@@ -342,6 +347,12 @@ class Deployments:
                 raise DeploymentError(f"{rig} on port {port} did not become healthy: {exc}; it was stopped and "
                                       f"removed. Log {log} ends with:\n{tail}") from None
         return self._status(record)
+
+    def api_key(self, name: str) -> str | None:
+        """The API key deployment `name` was started with by this process (None: none, or started
+        elsewhere: a key is kept in memory only, so another server process must be given it)."""
+        with self._lock:
+            return self._keys.get(name)
 
     def stop(self, name: str, timeout_s: float = 30.0) -> StopResult:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL what is left; the record is removed either way."""
@@ -369,6 +380,7 @@ class Deployments:
             exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
         with self._lock:
             self._children.pop(record.pid, None)
+            self._keys.pop(name, None)
         with self._locked() as records:
             if name in records and records[name].pid == record.pid:
                 del records[name]
