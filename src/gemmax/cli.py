@@ -267,6 +267,8 @@ def serve(
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
     spec = _mesh_spec(mesh)
+    if batch_invariant and spec is not None:  # refused before anything loads
+        raise typer.BadParameter("--batch-invariant decodes row by row on one device: it cannot be combined with --mesh")
     from gemmax.server.app import ServerSettings
     from gemmax.server.serve import serve as run_server
 
