@@ -552,6 +552,7 @@ def profile(
                                          "else measured here with all cores)"),
     out: str = typer.Option("gemmax-profile", help="directory for the trace (xprof / TensorBoard) and profile.json"),
     compare: tuple[str, str] = typer.Option(None, help="print two profile.json side by side, run nothing"),
+    mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: the decode step on a mesh of D*T*E devices, with the collectives' share (docs/mesh.md); default one device"),
     quant=None,
 ) -> None:
     """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
@@ -570,13 +571,16 @@ def profile(
         raise typer.BadParameter("--layout must be 'auto' or 'plain'")
     from gemmax.profile.run import load_weights, profile_decode
 
+    spec = _mesh_spec(mesh)
+    if spec is not None and layout != "auto":
+        raise typer.BadParameter("--layout plain is a one-device form: it cannot be combined with --mesh")
     try:
-        params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant)
-    except ValueError as exc:
+        params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant, mesh=spec)
+        result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
+                                context=context, peak_gbs=peak_bandwidth, mesh=spec,
+                                model=name + ("" if layout == "auto" else f" (layout {layout})"))
+    except ValueError as exc:  # includes a MeshError: a mesh this model or batch cannot split
         raise typer.BadParameter(str(exc)) from exc
-    result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
-                            context=context, peak_gbs=peak_bandwidth,
-                            model=name + ("" if layout == "auto" else f" (layout {layout})"))
     typer.echo(reports.table([result]))
     typer.echo("\nslowest ops:\n" + reports.top_ops_table(result))
     typer.echo(f"\ntrace: {out} (open with xprof or `tensorboard --logdir {out}`); report: {out}/profile.json")
