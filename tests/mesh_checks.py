@@ -138,7 +138,7 @@ def _profile(directory, mesh: str, out_dir: str) -> dict:
     if result.exit_code == 0:
         with open(os.path.join(out_dir, "profile.json")) as f:
             report = json.load(f)
-    return {"exit_code": result.exit_code, "output": result.output[-3000:], "report": report}
+    return {"exit_code": result.exit_code, "output": result.output[:4000], "report": report}  # the table first
 
 
 def main(checkpoints_json: str, out_json: str) -> None:

@@ -18,6 +18,10 @@ loop thread admits queued requests into free slots between decode dispatches, th
 `steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
 waits for the host between them), streams each step's tokens as soon as that step is done, and
 frees the slots of finished or cancelled requests at once.
+
+Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
+calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
+(gemmax.engine.schedule).
 """
 
 from __future__ import annotations
@@ -251,9 +255,9 @@ class BatchEngine:
             self._thread = threading.Thread(target=self._run, name="gemmax-engine", daemon=True)
             self._thread.start()
         else:
-            self._warm_up()
-            if self.schedule is not None:
+            if self.schedule is not None:  # only the background thread tells the followers to stop
                 raise ValueError("an engine followed by other processes starts in the background")
+            self._warm_up()
             self._thread = threading.Thread(target=self._loop, name="gemmax-engine", daemon=True)
             self._thread.start()
         return self
@@ -348,8 +352,8 @@ class BatchEngine:
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
                          kv_len: int | None = None, masks: np.ndarray | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
-        slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks; returns each step's outputs (per slot, or per row of `rows`)
-        as device arrays, still being computed. `kv_len` must cover every active row's position
+        slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
+        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being computed. `kv_len` must cover every active row's position
         through the last of these steps. `masks` (one step only): packed allowed-token masks per
         slot or row of `rows` (constrained decoding)."""
         outputs = []

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import numpy as np
+from jax.experimental import multihost_utils
 
 log = logging.getLogger("gemmax.engine")
 
@@ -42,16 +43,11 @@ def _words(length: int) -> int:
 
 
 def _broadcast(words: np.ndarray) -> np.ndarray:
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.broadcast_one_to_all(words))
 
 
 class Leader:
     """Process 0's end: sends each replayed call before the engine runs it."""
-
-    def __init__(self):
-        self.sent = 0
 
     def send(self, name: str, args: tuple = (), kwargs: dict | None = None) -> None:
         payload = pickle.dumps((name, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
@@ -59,7 +55,6 @@ class Leader:
         buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
         _broadcast(np.asarray([len(payload)], np.int32))
         _broadcast(buffer.view(np.int32))
-        self.sent += 1
 
 
 def receive() -> tuple[str, tuple, dict]:
