@@ -1,5 +1,7 @@
 """Wire timing against a scripted server on loopback: the harness must recover TTFT, ITL, TPOT and
-latency to within 1 ms of the instants the server sent each chunk (same process, same clock)."""
+latency to within 2 ms of the instants the server sent each chunk (same process, same clock). The
+systematic errors this catches (an empty chunk taken for a token, timestamps taken after the stream,
+a wrong TPOT divisor) are 10 ms and more; 2 ms leaves room for a test worker sharing the 2 cores."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from bench_fake_server import FakeServer, Script
 from gemmax.bench.sweep import Sweep, SweepConfig
 from gemmax.bench.timing import RequestRecord, stream_request
 
-TOL = 1e-3  # seconds
+TOL = 2e-3  # seconds
 
 
 def payload(max_tokens: int) -> dict:
@@ -71,7 +73,7 @@ async def test_recovers_ttft_itl_tpot_latency_within_1ms():
     assert worst < TOL
     assert abs(record.tpot - (exp["latency"] - exp["ttft"]) / len(gaps)) < TOL
     # The server kept its script (loosely: a loaded machine may wake it late, never early), so the
-    # chunks really were spread out and the 1 ms checks are not trivially met.
+    # chunks really were spread out and the 2 ms checks are not trivially met.
     assert min(exp["itl"]) > 0.005
     assert abs(exp["latency"] - exp["ttft"] - sum(gaps)) < 0.03
     assert record.stream_time >= record.latency  # the usage chunk and [DONE] come after the last token
