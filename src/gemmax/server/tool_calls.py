@@ -96,15 +96,14 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, fmt: str, tok
 
 
 def _gemma4_grammar(functions: list[dict[str, Any]], most: int, tokenizer) -> str:
-    """Lark (llguidance) for 1..most Gemma 4 calls: the special tokens by id (`<[id]>`), arguments
-    as Gemma 4's bare-key objects with `<|"|>` strings (the shape is enforced, not the schema)."""
+    """Lark (llguidance) for 1..most Gemma 4 calls, the special tokens by id (`<[id]>`): one rule per
+    function, its name, then its arguments under its `parameters` schema (`_Gemma4Arguments`)."""
     open_, close, quote = (f"<[{tokenizer.token_to_id(t)}]>" for t in (G4_CALL_OPEN, G4_CALL_CLOSE, G4_QUOTE))
-    names = " | ".join(json.dumps(f["name"]) for f in functions)
-    calls = " ".join(["call"] + ["call?"] * (most - 1))
-    return f"""
-start: {calls}
-call: {open_} "call:" name obj {close}
-name: {names}
+    arguments = _Gemma4Arguments(quote)
+    calls = [f'{open_} {json.dumps("call:" + f["name"])} {arguments.object(f.get("parameters") or {}, root=True)} {close}'
+             for f in functions]
+    repeat = " ".join(["call"] + ["call?"] * (most - 1))
+    return "\n".join([f"start: {repeat}", "call: " + " | ".join(f"({c})" for c in calls), *arguments.rules, f"""
 obj: "{{" (pair ("," pair)*)? "}}"
 pair: KEY ":" value
 value: string | NUMBER | "true" | "false" | "null" | obj | "[" (value ("," value)*)? "]"
@@ -112,7 +111,117 @@ string: {quote} TEXT? {quote}
 KEY: /[A-Za-z_][A-Za-z0-9_]*/
 NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?/
 TEXT: /[^<]+/
-"""
+"""])
+
+
+_JSON_SCALAR_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+class _Gemma4Arguments:
+    """Lark rules for Gemma 4 argument values under a JSON schema, as far as the syntax goes:
+    objects `{key:value,...}` with the schema's keys in its order (required ones always, the others
+    optional; no other keys), strings `<|"|>text<|"|>` (enum and const as literals, min/maxLength,
+    a `pattern` as the whole text), numbers, integers and booleans through llguidance's own JSON
+    rules (`%json`: bounds and multipleOf hold; the Gemma 4 and JSON spellings are the same), arrays
+    with min/maxItems, anyOf / oneOf, type lists and local `$ref`s. A value the schema leaves open
+    (no type, or a keyword not listed) is any Gemma 4 value (`value`). String text never holds `<`,
+    so no text can be read as a delimiter."""
+
+    def __init__(self, quote: str):
+        self.quote = quote
+        self.rules: list[str] = []
+        self.root: dict[str, Any] = {}
+        self.refs: dict[str, str] = {}
+
+    def _rule(self, body: str, name: str | None = None) -> str:
+        name = name or f"arg{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any) -> str:
+        """The name of a rule (or a literal) for one value under `schema`."""
+        if not isinstance(schema, dict):
+            return "value"
+        if "$ref" in schema:
+            return self._ref(schema["$ref"])
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            literals = [self._literal(v) for v in values]
+            return "value" if None in literals else self._rule(" | ".join(literals))
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                rest = {k: v for k, v in schema.items() if k != key}
+                return self._rule(" | ".join(self.value({**rest, **sub}) for sub in schema[key]))
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._rule(" | ".join(self.value({**schema, "type": t}) for t in kind))
+        if kind == "object" or (kind is None and "properties" in schema):
+            return self.object(schema)
+        if kind == "array":
+            return self._array(schema)
+        if kind == "string":
+            return self._string(schema)
+        if kind in ("integer", "number", "boolean", "null"):
+            subset = {k: schema[k] for k in _JSON_SCALAR_KEYS if k in schema}
+            return self._rule("%json " + json.dumps({**subset, "x-guidance": {"whitespace_flexible": False}}))
+        return "value"
+
+    def object(self, schema: dict[str, Any], root: bool = False) -> str:
+        if root:
+            self.root = schema
+        props = schema.get("properties") or {}
+        if not props:
+            return '"{" "}"' if schema.get("additionalProperties") is False else "obj"
+        required = set(schema.get("required") or ())
+        items = [(f"{json.dumps(key + ':')} {self.value(sub)}", key in required) for key, sub in props.items()]
+        # The first key written is any up to the first required one; each later one follows a comma.
+        firsts = []
+        for k, (item, needed) in enumerate(items):
+            rest = " ".join(f'("," {later})' + ("" if later_needed else "?") for later, later_needed in items[k + 1:])
+            firsts.append(f"({item} {rest})")
+            if needed:
+                break
+        body = " | ".join(firsts)
+        return self._rule(f'"{{" ({body}){"" if required & props.keys() else "?"} "}}"')
+
+    def _array(self, schema: dict[str, Any]) -> str:
+        low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if high == 0:
+            return self._rule('"[" "]"')
+        item = self.value(schema.get("items"))
+        more = f'("," {item}){{{max(low - 1, 0)},{"" if high is None else int(high) - 1}}}'
+        return self._rule(f'"[" ({item} {more}){"?" if low == 0 else ""} "]"')
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        if "pattern" in schema:
+            text = "/" + schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+            return self._rule(f"{self.quote} {text} {self.quote}")
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if high == 0:
+            return self._rule(f"{self.quote} {self.quote}")
+        text = f"/[^<]{{{max(low, 1)},{'' if high is None else int(high)}}}/"
+        return self._rule(f"{self.quote} {text}{'?' if low == 0 else ''} {self.quote}")
+
+    def _literal(self, value: Any) -> str | None:
+        """A Lark literal for one enum value (None for objects and arrays: left open)."""
+        if isinstance(value, str):
+            return f"{self.quote} {json.dumps(value)} {self.quote}" if value else f"{self.quote} {self.quote}"
+        if isinstance(value, (bool, int, float)) or value is None:
+            return json.dumps(json.dumps(value))
+        return None
+
+    def _ref(self, ref: str) -> str:
+        """A local `#/...` reference, one rule per target (so recursive schemas stay finite)."""
+        if ref in self.refs:
+            return self.refs[ref]
+        target: Any = self.root
+        for part in ref.removeprefix("#/").split("/") if ref.startswith("#/") else ():
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        if not ref.startswith("#/") or not isinstance(target, dict):
+            return "value"
+        name = self.refs[ref] = f"ref{len(self.refs)}"
+        self._rule(self.value(target), name)
+        return name
 
 
 def _gemma4_json(args: str) -> str:
