@@ -206,3 +206,9 @@ def test_forced_choice_grammars_accept_calls_and_refuse_other_names(servers, fmt
     assert accepts(named, good) and not accepts(named, other)
     assert accepts(required, good) and accepts(required, other) and accepts(required, both)
     assert not accepts(required, "Just text.")
+    if fmt == "gemma4":  # the arguments follow each function's parameters schema
+        call = lambda body: f"<|tool_call>call:{body}<tool_call|>"  # noqa: E731
+        assert accepts(required, call('get_weather{city:<|"|>Oslo<|"|>,days:2}'))
+        for wrong in ('add{a:<|"|>1<|"|>,b:2}', "add{a:1}", "add{b:2,a:1}", "add{a:1,b:2,c:3}",
+                      'get_weather{city:<|"|>Oslo<|"|>,days:1.5}', "get_weather{days:2}", "get_weather{city:5}"):
+            assert not accepts(required, call(wrong)), wrong
