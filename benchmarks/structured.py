@@ -5,7 +5,9 @@
 One engine (max_batch 8). Per round and batch size, `batch` requests of `tokens` generated tokens run
 together, free (ignore_eos, sampled) or under a JSON schema that cannot close within `tokens` (an
 array of at least 48 strings), so both generate exactly `tokens` tokens. The rate of a batch is
-the sum of its requests' server-side decode rates ((tokens - 1) / first-to-last-token seconds);
+its decode tokens (tokens - 1 per request) over the time from the last request's first token (all
+prefills done: the engine admits the batch before it decodes) to the last token, from the engine's
+own timings; a request's own first-to-last window would also hold the later requests' prefills.
 rounds interleave free and constrained, so both legs of a round see the same load on a shared
 machine; the ratio is the median of the rounds' constrained / free ratios. Medians with min-max.
 `--quick`: 5 rounds of 32 tokens. Prints a table, then one JSON line.
@@ -34,11 +36,17 @@ def run_batch(engine, prompt, batch: int, tokens: int, constrained: bool, seed: 
                                   ignore_eos=not constrained,
                                   constraint=Constraint("json_schema", json.dumps(SCHEMA)) if constrained else None)
                 for i in range(batch)]
-    results = [h.wait() for h in [engine.submit(r) for r in requests]]
+    submitted, handles = [], []
+    for r in requests:  # the engine's timings count from submission, on the same perf_counter clock
+        submitted.append(time.perf_counter())
+        handles.append(engine.submit(r))
+    results = [h.wait() for h in handles]
     for r in results:
         if r.completion_tokens != tokens:
             raise RuntimeError(f"a request stopped early ({r.finish_reason} after {r.completion_tokens} tokens)")
-    return sum(r.timings.decode_tokens_per_second for r in results)
+    first = [s + r.timings.time_to_first_token_seconds for s, r in zip(submitted, results, strict=True)]
+    last = [f + r.timings.decode_seconds for f, r in zip(first, results, strict=True)]
+    return batch * (tokens - 1) / (max(last) - max(first))
 
 
 def main() -> int:

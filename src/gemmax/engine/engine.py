@@ -13,6 +13,10 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
                       each prefill shape per bucket its chunk start can need: a step reads only the
                       cache slots its context can use (full layers; rings not yet wrapped)
 
+While a constrained request runs, each decode step is two dispatches (`decode_forward` per decode
+shape, `decode_sample` per group; `_decode_constrained`): these shapes, and the masked prefill,
+compile on first use, not in warm-up (`_constrained_report`, docs/structured.md).
+
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
 `steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
@@ -369,6 +373,8 @@ class BatchEngine:
                     self._slots[i].uncompiled = True
         logits = self._forward(group, kv_len)
         for n in range(steps):
+            if n and all(self._slots[i] is None for i in slot_of):
+                break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
             self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
             if n + 1 < steps:
