@@ -13,6 +13,10 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
                       each prefill shape per bucket its chunk start can need: a step reads only the
                       cache slots its context can use (full layers; rings not yet wrapped)
 
+While a constrained request runs, each decode step is two dispatches (`decode_forward` per decode
+shape, `decode_sample` per group; `_decode_constrained`): these shapes, and the masked prefill,
+compile on first use, not in warm-up (`_constrained_report`, docs/structured.md).
+
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
 `steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
@@ -48,6 +52,7 @@ from gemmax.engine.api import (
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    InvalidRequest,
     RequestHandle,
     RequestTimings,
     TokenEvent,
@@ -61,7 +66,9 @@ from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
 from gemmax.engine.shapes import ShapePlan, plan_chunks
 from gemmax.engine.steps import (
     DeviceState,
+    decode_forward,
     decode_rows,
+    decode_sample,
     decode_step,
     init_device_state,
     prefill_step,
@@ -133,7 +140,8 @@ class BatchEngine:
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
         self.steps = types.SimpleNamespace(prefill_step=prefill_step, decode_step=decode_step,
-                                           decode_rows=decode_rows, init_device_state=init_device_state)
+                                           decode_rows=decode_rows, decode_forward=decode_forward,
+                                           decode_sample=decode_sample, init_device_state=init_device_state)
         self.mesh = None
         if mesh is not None:
             check_mesh(mesh, self.config, max_batch)
@@ -164,6 +172,7 @@ class BatchEngine:
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._constraints = None  # ConstraintCompiler, built by the first constrained request
+        self._constrained_shapes: set[tuple] = set()  # constrained decode shapes run so far (compiled lazily)
 
     # ------------------------------------------------------------------------------ Engine protocol
     @property
@@ -181,13 +190,23 @@ class BatchEngine:
 
     @property
     def info(self) -> dict[str, Any]:
-        """Static facts (computed once warm-up is done; before that, from what is loaded so far)."""
-        if self._info is not None:
-            return self._info
-        info = self._describe()
-        if self._ready.is_set():
-            self._info = info
-        return info
+        """Static facts (computed once warm-up is done; before that, from what is loaded so far),
+        and which constrained-decoding shapes have compiled so far."""
+        if self._info is None:
+            info = self._describe()
+            if self._ready.is_set():
+                self._info = info
+        else:
+            info = self._info
+        return {**info, "constrained_decode": self._constrained_report()}
+
+    def _constrained_report(self) -> dict[str, Any]:
+        """Constrained decoding's own shapes (`decode_forward` per decode shape, `decode_sample` per
+        group) are not warmed up: warm-up compiles only what every request can need (start-up time
+        matters to everyone, constraints to some), so the first constrained request of each shape
+        compiles it (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
+        declared = len(self.shapes.decode_shapes) + len(self.shapes.decode_groups)
+        return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_shapes)}
 
     def _describe(self) -> dict[str, Any]:
         policy = self.loaded.policy.observed(self.params, None if self.device is None else self.device.cache)
@@ -216,6 +235,9 @@ class BatchEngine:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
+        if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
+            raise InvalidRequest(request.constraint.param, "constrained output is not served across processes "
+                                 "yet (docs/mesh.md): serve it from one process", "unsupported")
         handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
         with self._lock:
             self.admission.check(len(self._queue))  # QueueFull (503 + Retry-After) at the bound
@@ -350,28 +372,63 @@ class BatchEngine:
 
     @_replayed
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
-                         kv_len: int | None = None, masks: np.ndarray | None = None):
+                         kv_len: int | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
-        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being computed. `kv_len` must cover every active row's position
-        through the last of these steps. `masks` (one step only): packed allowed-token masks per
-        slot or row of `rows` (constrained decoding)."""
+        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
+        computed. `kv_len` must cover every active row's position through the last of these steps."""
         outputs = []
         want = jnp.asarray(want_logprobs)
         kv_len = kv_len or self.max_model_len
-        mask = None if masks is None else jnp.asarray(masks)
         for _ in range(steps):
             if rows is None:
-                self.device, out = self.steps.decode_step(self.params, self.device, want, mask, config=self.config,
+                self.device, out = self.steps.decode_step(self.params, self.device, want, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           row_invariant=self.batch_invariant)
             else:
                 self.device, out = self.steps.decode_rows(self.params, self.device, want,
-                                                          jnp.asarray(rows, jnp.int32), mask, config=self.config,
+                                                          jnp.asarray(rows, jnp.int32), config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           row_invariant=self.batch_invariant)
             outputs.append(out)
         return outputs
+
+    def _forward(self, rows: jax.Array | None, kv_len: int) -> jax.Array:
+        """Enqueue the forward half of a decode step (constrained decoding); returns its logits."""
+        self.device, logits = self.steps.decode_forward(self.params, self.device, rows, config=self.config,
+                                                        precision=self.precision, kv_len=kv_len,
+                                                        row_invariant=self.batch_invariant)
+        return logits
+
+    def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
+        """`steps` decode steps while some row is constrained, pipelined as vLLM does: step n's
+        forward is on the device while the host fills step n's masks (which need step n - 1's
+        tokens, consumed by the matchers), then step n's sampling is enqueued with them and at once
+        step n + 1's forward (its input is step n's token, already on the device), and only then
+        are step n's ids fetched and delivered. The device waits for the host only where the
+        host's work (fetch, deliver, masks) outlasts a forward.
+
+        A row finished while the next forward is in flight was computed once more for nothing:
+        `_finish` zeroes its budget before that step's sampling, which then leaves the row as it is
+        (as the free path does with the steps already enqueued after a stop)."""
+        want = jnp.asarray(self.want_logprobs)
+        group = None if rows is None else jnp.asarray(rows, jnp.int32)
+        size = len(slot_of)
+        shapes = {("forward", size, kv_len), ("sample", size)}
+        if not shapes <= self._constrained_shapes:  # this dispatch compiles: its rows' timings say so
+            self._constrained_shapes |= shapes
+            for i in slot_of:
+                if self._slots[i] is not None:
+                    self._slots[i].uncompiled = True
+        logits = self._forward(group, kv_len)
+        for n in range(steps):
+            if n and all(self._slots[i] is None for i in slot_of):
+                break  # every row has ended: the forward in flight was for nothing, and no more follow
+            masks = jnp.asarray(self._constraint_masks(slot_of))
+            self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
+            if n + 1 < steps:
+                logits = self._forward(group, kv_len)
+            self._deliver(out, slot_of)
 
     def _decode_group(self) -> np.ndarray | None:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
@@ -506,42 +563,43 @@ class BatchEngine:
                                                    self.eos_token_ids)
         return self._constraints
 
-    def _constraint_masks(self, slot_of) -> np.ndarray | None:
-        """The next step's packed masks per row of `slot_of` when some row is constrained (free and
-        idle rows all ones), else None: a batch without constrained rows runs the mask-free step."""
-        constrained = [(j, self._slots[i].matcher) for j, i in enumerate(slot_of)
-                       if self._slots[i] is not None and self._slots[i].matcher is not None]
-        if not constrained:
-            return None
+    def _constraint_masks(self, slot_of) -> np.ndarray:
+        """The next step's packed masks per row of `slot_of`: each constrained row's matcher's
+        allowed tokens; free and idle rows (and rows whose request ended) all ones."""
         compiler = self._constraint_compiler()
         masks = compiler.masks(len(slot_of))
-        for j, matcher in constrained:
-            compiler.fill(matcher, masks, j)
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is not None and slot.matcher is not None:
+                compiler.fill(slot.matcher, masks, j)
         return masks
 
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
         slot_of = range(self.max_batch) if rows is None else rows
-        masks = self._constraint_masks(slot_of)
-        # A constrained row needs its sampled token on the host before the next step's mask: one step.
-        steps = self.steps_per_dispatch if masks is None else 1
+        steps = self.steps_per_dispatch
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
         kv_len = self.shapes.kv_bound(furthest)
-        outputs = self._dispatch_decode(steps, self.want_logprobs, rows, kv_len, masks)
-        for out in outputs:
-            # Each step's tokens go out as soon as that step is done, while the device runs the next.
-            ids, lps, top_ids, top_lps, active = jax.device_get(out)
-            now = time.perf_counter()
-            for j, i in enumerate(slot_of):
-                if self._slots[i] is None or not active[j]:
-                    continue
-                try:
-                    self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
-                except Exception as exc:  # delivering this request's token failed: end it alone
-                    log.exception("request %s failed", self._slots[i].handle.request_id)
-                    self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+        if any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of):
+            self._decode_constrained(steps, rows, slot_of, kv_len)
+        else:  # the mask-free step: no row waits for the host's masks
+            for out in self._dispatch_decode(steps, self.want_logprobs, rows, kv_len):
+                self._deliver(out, slot_of)  # each step's tokens go out while the device runs the next
         self._reap_cancelled()
+
+    def _deliver(self, out, slot_of) -> None:
+        """Fetch one step's outputs (waiting for the step) and hand each active row its token."""
+        ids, lps, top_ids, top_lps, active = jax.device_get(out)
+        now = time.perf_counter()
+        for j, i in enumerate(slot_of):
+            if self._slots[i] is None or not active[j]:
+                continue
+            try:
+                self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+            except Exception as exc:  # delivering this request's token failed: end it alone
+                log.exception("request %s failed", self._slots[i].handle.request_id)
+                self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
         """Take one generated token for slot i; returns True if the request goes on."""

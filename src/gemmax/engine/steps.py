@@ -1,5 +1,6 @@
 """The jitted device steps of the batching engine: prefill of one chunk into one slot, a decode step
-of every slot, and a decode step of a group of slots, over one `DeviceState` pytree that each
+of every slot, and a decode step of a group of slots (or, for constrained decoding, the same step
+as two dispatches: `decode_forward`, `decode_sample`), over one `DeviceState` pytree that each
 donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads) as static arguments, so the
 engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up.
 
@@ -103,31 +104,55 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
     return jnp.concatenate(logits, axis=0), cache
 
 
-def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, mask=None, row_invariant=False):
-    """One decode step for every row of `device`. Rows with remaining == 0 are idle: they write
-    nothing and keep their token, position and sampling state. `mask` [B, ceil(V / 32)] i32: allowed
-    tokens per row (constrained decoding; None: every row free, no mask work compiled in)."""
+def _advance(device: DeviceState, logits, want_logprobs, mask=None):
+    """The sampling half of a decode step: logits [B, V] (of the forward half) -> the next token of
+    every active row (remaining > 0); idle rows keep their token, position and sampling state. `mask`
+    [B, ceil(V / 32)] i32: allowed tokens per row (constrained decoding; None: no mask work compiled
+    in). The cache is passed through untouched."""
     active = device.remaining > 0
-    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, active, config,
-                                  precision, kv_len, row_invariant)
     ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active, mask)
     ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
-    device = DeviceState(cache=cache, sampling=sampling, tokens=ids, positions=device.positions + step,
-                         remaining=device.remaining - step)
+    device = dataclasses.replace(device, sampling=sampling, tokens=ids, positions=device.positions + step,
+                                 remaining=device.remaining - step)
     return device, (ids, lp, top_ids, top_lp, active)
 
 
+def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
+    """One decode step for every row of `device`: forward, then `_advance`. Rows with remaining == 0
+    are idle: they write nothing and keep their token, position and sampling state."""
+    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, device.remaining > 0,
+                                  config, precision, kv_len, row_invariant)
+    return _advance(dataclasses.replace(device, cache=cache), logits, want_logprobs)
+
+
+_ROW_FIELDS = ("sampling", "tokens", "positions", "remaining")  # per-slot state besides the cache
+
+
+def _gather(device: DeviceState, rows, kv_len=None, cache: bool = True) -> DeviceState:
+    """The rows `rows` [k] of the per-slot state, and of the cache's first kv_len slots (`cache`; else
+    the whole cache, untouched, rides along)."""
+    per_row = {name: jax.tree.map(lambda a: a[rows], getattr(device, name)) for name in _ROW_FIELDS}
+    return DeviceState(cache=device.cache.gather(rows, kv_len) if cache else device.cache, **per_row)
+
+
+def _scatter(device: DeviceState, sub: DeviceState, rows, kv_len=None, cache: bool = True) -> DeviceState:
+    """`device` with rows `rows` replaced by `sub` (from `_gather` with the same `cache`)."""
+    per_row = {name: jax.tree.map(lambda a, b: a.at[rows].set(b), getattr(device, name), getattr(sub, name))
+               for name in _ROW_FIELDS}
+    return DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len) if cache else sub.cache, **per_row)
+
+
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
-def decode_step(params, device: DeviceState, want_logprobs, mask=None, *, config, precision, kv_len=None,
+def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
     Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
-    return _decode(params, device, want_logprobs, config, precision, kv_len, mask, row_invariant)
+    return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
 
 
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
-def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, config, precision, kv_len=None,
+def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
@@ -136,16 +161,36 @@ def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, 
 
     Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
     cost ~20% of a step of the built-in model."""
-    per_row = lambda a: a[rows]  # noqa: E731
-    sub = DeviceState(cache=device.cache.gather(rows, kv_len), sampling=jax.tree.map(per_row, device.sampling),
-                      tokens=per_row(device.tokens), positions=per_row(device.positions),
-                      remaining=per_row(device.remaining))
-    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len, mask, row_invariant)
-    put = lambda a, b: a.at[rows].set(b)  # noqa: E731
-    device = DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len),
-                         sampling=jax.tree.map(put, device.sampling, sub.sampling), tokens=put(device.tokens, sub.tokens),
-                         positions=put(device.positions, sub.positions), remaining=put(device.remaining, sub.remaining))
-    return device, out
+    sub, out = _decode(params, _gather(device, rows, kv_len), want_logprobs[rows], config, precision, kv_len,
+                       row_invariant)
+    return _scatter(device, sub, rows, kv_len), out
+
+
+# Constrained decoding splits a step in two dispatches, so that the host fills step n's token masks
+# while the device runs step n's forward (the engine's `_decode_constrained`): `decode_forward`
+# (cache update, logits), then `decode_sample` (mask applied, next tokens). Together they compute
+# what decode_step / decode_rows compute with a mask.
+
+@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
+def decode_forward(params, device: DeviceState, rows=None, *, config, precision, kv_len=None, row_invariant=False):
+    """The forward half of a decode step of every slot (`rows` None) or of the group `rows` [k]:
+    returns (device with its cache written, logits [B or k, V] f32 of each row's next token)."""
+    sub = device if rows is None else _gather(device, rows, kv_len)
+    logits, cache = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
+                                  precision, kv_len, row_invariant)
+    if rows is None:
+        return dataclasses.replace(device, cache=cache), logits
+    return dataclasses.replace(device, cache=device.cache.scatter(rows, cache, kv_len)), logits
+
+
+@functools.partial(jax.jit, donate_argnames=("device",))
+def decode_sample(device: DeviceState, logits, want_logprobs, mask, rows=None):
+    """The sampling half (`_advance`) of the step whose logits `decode_forward` returned, under
+    `mask` [B or k, ceil(V / 32)] i32; outputs as decode_step's (per slot, or per row of `rows`)."""
+    if rows is None:
+        return _advance(device, logits, want_logprobs, mask)
+    sub, out = _advance(_gather(device, rows, cache=False), logits, want_logprobs[rows], mask)
+    return _scatter(device, sub, rows, cache=False), out
 
 
 @functools.partial(jax.jit, donate_argnames=("device",))
