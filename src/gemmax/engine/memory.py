@@ -145,10 +145,11 @@ class MemoryPlan:
     largest_max_model_len: int | None  # at max_batch (None: not even 1 token fits)
     largest_batch: int  # at max_model_len (0: not even one slot)
     mesh: str = "1 device"  # every byte figure is per device of this mesh
+    prefix_cache: int = 0  # the prefix cache's byte budget (gemmax.engine.prefix_cache; 0: off)
 
     @property
     def required(self) -> int:
-        return self.weights + self.kv_cache + self.workspace
+        return self.weights + self.kv_cache + self.workspace + self.prefix_cache
 
     @property
     def available(self) -> int:
@@ -167,6 +168,7 @@ class MemoryPlan:
             f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
             f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings)",
             f"  workspace               {_fmt(self.workspace)} (prefill of {self.prefill_tokens:,} tokens, attention scores dominate)",
+            f"  prefix cache            {_fmt(self.prefix_cache)} ({'budget, LRU-evicted' if self.prefix_cache else 'off'})",
             f"  required                {_fmt(self.required)}",
             f"  device memory           {_fmt(self.device_memory)} - reserve {_fmt(self.reserve)} = {_fmt(self.available)} available",
         ]
@@ -201,12 +203,14 @@ def plan_memory(
     reserve_fraction: float = 0.05,
     model: str = "model",
     mesh: MeshSpec | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
     checkpoint's `Checkpoint.weight_bytes`). With a `mesh`, every figure is per device: each
     parameter divided by the mesh axes its sharding rule splits it over (`model.sharding`), the KV
-    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads)."""
+    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads).
+    `prefix_cache_bytes`: the prefix cache's budget, held on the device beside the KV cache."""
     if max_model_len < 1 or max_batch < 1:
         raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
     split = _MeshSplit(config, mesh)
@@ -215,7 +219,7 @@ def plan_memory(
 
     def required(n: int, b: int) -> int:
         chunk = n if prefill_tokens is None else min(prefill_tokens, n)
-        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype)
+        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype) + prefix_cache_bytes
 
     available = device_memory - reserve
     longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
@@ -238,6 +242,7 @@ def plan_memory(
         largest_max_model_len=longest,
         largest_batch=widest,
         mesh="1 device" if mesh is None else f"mesh {mesh} ({mesh.size} devices)",
+        prefix_cache=prefix_cache_bytes,
     )
 
 
