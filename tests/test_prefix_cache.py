@@ -108,6 +108,12 @@ def test_cache_salt_isolates_tenants(engine):
         engine.submit(_request(prompt, 3, ""))
 
 
+def test_a_blocks_ring_part_is_saved_only_while_the_ring_holds_it(engine):
+    """Ring of 4, blocks of 8: block 0 keeps positions 4..7, in the ring until the 9th token is written."""
+    saves = engine.prefix_cache._saves_sliding
+    assert saves(0, 8) and not saves(0, 9) and saves(1, 16) and not saves(1, 17)
+
+
 def test_eviction_under_a_tiny_budget_keeps_outputs_exact(engine):
     """A pool of 5 blocks: prompts of 4-9 blocks evict each other's blocks (and a prompt never evicts
     its own earlier blocks); every output still equals its fresh prefill."""

@@ -97,11 +97,13 @@ class BatchEngine:
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
-                 batch_invariant: bool = False, prefix_cache_bytes: int = 0):
+                 batch_invariant: bool = False, prefix_cache_bytes: int | None = 0):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
-        if prefix_cache_bytes and mesh is not None:
-            raise ValueError("prefix caching runs on one device: give --prefix-cache-bytes 0 with --mesh")
+        if mesh is not None:  # prefix caching runs on one device (its copies are not compiled for a mesh)
+            if prefix_cache_bytes:
+                raise ValueError("prefix caching runs on one device: give --prefix-cache-bytes 0 with --mesh")
+            prefix_cache_bytes = 0
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -132,7 +134,7 @@ class BatchEngine:
         self.steps_per_dispatch = steps_per_dispatch
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
-        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
         self.prefix_cache: PrefixCache | None = None  # allocated after warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
