@@ -15,6 +15,7 @@ from gemmax.engine.api import GenerationRequest, InvalidRequest
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.loading import load_model
 from gemmax.engine.prefix_cache import PrefixCache, block_keys, plan_cached_chunks
+from gemmax.engine.shapes import ShapePlan
 
 BLOCK = 8  # the engine's smallest prefill bucket
 BASE_LEN = 70  # 8 full blocks + 6 tokens; the sliding window is 4
@@ -73,6 +74,19 @@ def test_cached_chunks_end_on_block_boundaries_within_the_ring():
         assert ends[-1] == 1500 and ends[-2] == 1472 and all(e % 32 == 0 for e in ends[:-1])
         assert all(real <= 512 and bucket in (32, 128, 512) for real, bucket in plan)
     assert plan_cached_chunks(64, 64 + 5, BLOCK, (BLOCK, 32), 4) == [(5, 8)]
+
+
+def test_cached_chunk_plans_need_only_warmed_prefill_shapes():
+    """Every (bucket, KV bound) a cached prefill can run (any cached block count, any prompt length)
+    is one the warm-up compiles for plain prefill: a hit never pays a prefill compilation."""
+    plan = ShapePlan.create(2048, 1, (32, 128, 512))
+    warmed = set(plan.prefill_shapes())
+    for length in range(1, 2048, 7):
+        for start in range(0, length, 32):
+            position = start
+            for real, bucket in plan_cached_chunks(start, length, 32, plan.buckets, 512):
+                assert (bucket, plan.kv_bound(position)) in warmed, (length, start, position, bucket)
+                position += real
 
 
 def test_cached_prefixes_decode_exactly_like_a_fresh_prefill(engine):
