@@ -445,19 +445,8 @@ class BatchEngine:
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
             compiler.fill(slot.matcher, mask, 0)
-        start, keys = 0, []
-        prefixes = self.prefix_cache
-        if prefixes is None:
-            chunks = plan_chunks(len(prompt), self.shapes.buckets)
-        else:
-            keys = prefixes.keys(prompt, request.cache_salt)
-            hit = prefixes.lookup(keys, len(prompt))
-            if hit.blocks:
-                cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
-                self.device = dataclasses.replace(self.device, cache=cache)
-                slot.uncompiled |= compiled
-                start = slot.cached_tokens = hit.tokens
-            chunks = prefixes.plan(start, len(prompt), self.shapes.buckets)
+        chunks, keys = self._plan_prefill(slot_index, slot, prompt)
+        start = slot.cached_tokens
         for index, (real, bucket) in enumerate(chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
                 self._finish_unstarted(handle, submitted)
@@ -469,8 +458,8 @@ class BatchEngine:
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
             start += real
-            if prefixes is not None:
-                slot.uncompiled |= prefixes.store(self.device.cache, slot_index, keys, start)
+            if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
+                slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
         token, lp, top_ids, top_lp = jax.device_get(out)
         now = time.perf_counter()
         slot.prefill_seconds = now - admitted
@@ -480,6 +469,22 @@ class BatchEngine:
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
             # budget counts the token just produced; the device runs while tokens are still owed
             self.device = self.device.with_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+
+    def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int]) -> tuple[list[tuple[int, int]], list[bytes]]:
+        """The chunks that prefill `prompt` into slot `slot_index`, and its block keys. With prefix
+        caching the longest cached prefix is first copied into the slot (`slot.cached_tokens`) and the
+        chunks start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
+        prefixes = self.prefix_cache
+        if prefixes is None:
+            return plan_chunks(len(prompt), self.shapes.buckets), []
+        keys = prefixes.keys(prompt, slot.request.cache_salt)
+        hit = prefixes.lookup(keys, len(prompt))
+        if hit.blocks:
+            cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
+            self.device = dataclasses.replace(self.device, cache=cache)
+            slot.uncompiled |= compiled
+            slot.cached_tokens = hit.tokens
+        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets), keys
 
     def _constraint_compiler(self):
         """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""

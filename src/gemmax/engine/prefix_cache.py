@@ -143,7 +143,8 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """The block index (host) and the pool (device) of one engine; only the engine thread calls it."""
+    """The block index (host) and the pool (device) of one engine. Only the engine thread changes it;
+    `stats` and `used_bytes` may be read from any thread (plain int reads)."""
 
     def __init__(self, config: ModelConfig, max_len: int, block: int, budget_bytes: int, kv_dtype):
         self.config, self.block, self.budget_bytes = config, block, budget_bytes
