@@ -6,8 +6,8 @@
 CHECKPOINTS_JSON maps config names to HF checkpoint directories (written by transformers in the
 parent). For every config and mesh the script records, against one device: the max |logit diff| of a
 prefill of 8 rows and of 4 decode steps (float32), and the greedy tokens of 8 requests through the
-batching engine. It records the collectives of the compiled decode step on a tp mesh. The parent
-asserts; this script only measures.
+batching engine (two meshes per config). It records the collectives of the compiled decode step on
+a tp mesh, and runs `gemmax profile --mesh` once. The parent asserts; this script only measures.
 """
 
 from __future__ import annotations
@@ -74,10 +74,9 @@ def _prompts(vocab):
     return [tuple(int(t) for t in rng.integers(3, vocab, 9)) for _ in range(ROWS)]
 
 
-def _engine_tokens(directory, spec):
+def _engine_tokens(loaded, spec):
     """Greedy tokens of 8 requests (9-token prompts, 10..17 new tokens) through the batching engine on
-    `spec`, all submitted at once."""
-    loaded = load_model(directory, "float32", mesh=spec)
+    `spec`, all submitted at once (`loaded`: the model as loaded for a mesh, shared by every engine)."""
     engine = BatchEngine(loaded, max_model_len=MAX_LEN, max_batch=ROWS, buckets=(16,), steps_per_dispatch=4,
                          mesh=spec).start()
     assert engine.wait_ready(600), engine.error
@@ -118,17 +117,35 @@ def _hlo_collectives(ck, spec):
     }
 
 
-# The engine runs on one mesh per config (its warm-up compiles ~6 programs per mesh); the forward
+# The engine runs on two meshes per config (its warm-up compiles ~6 programs per mesh); the forward
 # runs on every mesh.
-ENGINE_MESH = {"e4b_like": "dp=2,tp=4", "31b_like": "dp=4,tp=2", "26b_a4b_like": "dp=2,tp=2,ep=2"}
+ENGINE_MESHES = {"e4b_like": ["dp=2,tp=4", "dp=1,tp=8"], "31b_like": ["dp=4,tp=2", "dp=8,tp=1"],
+                 "26b_a4b_like": ["dp=2,tp=2,ep=2", "dp=1,tp=1,ep=8"]}
 HLO_MESH = {"31b_like": "dp=1,tp=4", "e4b_like": "dp=1,tp=8"}
+PROFILE = ("31b_like", "dp=2,tp=4")  # `gemmax profile --mesh`, through the command line
+
+
+def _profile(directory, mesh: str, out_dir: str) -> dict:
+    """`gemmax profile --mesh` (3 traced decode steps of 8 rows): its exit code, output and report."""
+    from typer.testing import CliRunner
+
+    from gemmax.cli import app
+
+    result = CliRunner().invoke(app, ["profile", "--model", directory, "--dtype", "float32", "--mesh", mesh,
+                                      "--batch", str(ROWS), "--steps", "3", "--warmup", "1", "--context", "16",
+                                      "--out", out_dir])
+    report = None
+    if result.exit_code == 0:
+        with open(os.path.join(out_dir, "profile.json")) as f:
+            report = json.load(f)
+    return {"exit_code": result.exit_code, "output": result.output[:4000], "report": report}  # the table first
 
 
 def main(checkpoints_json: str, out_json: str) -> None:
     with open(checkpoints_json) as f:
         checkpoints = json.load(f)
     assert len(jax.devices()) == 8, jax.devices()
-    results = {"forward": {}, "engine": {}, "hlo": {}}
+    results = {"forward": {}, "engine": {}, "hlo": {}, "profile": None}
     started = time.perf_counter()
     for name, directory in checkpoints.items():
         ck = load_checkpoint(directory, weight_dtype=jnp.float32)
@@ -140,12 +157,20 @@ def main(checkpoints_json: str, out_json: str) -> None:
                                                     "greedy": greedy, "one_device": reference_greedy}
             print(name, text, results["forward"][f"{name} {text}"]["max_diff"],
                   f"{time.perf_counter() - started:.0f}s", flush=True)
-        if name in ENGINE_MESH:
-            results["engine"][f"{name} {ENGINE_MESH[name]}"] = {
-                "mesh": _engine_tokens(directory, MeshSpec.parse(ENGINE_MESH[name])), "one_device": _reference_tokens(ck)}
-            print(name, "engine", f"{time.perf_counter() - started:.0f}s", flush=True)
+        if name in ENGINE_MESHES:
+            # plain arrays (as any mesh takes them), loaded once for both engines
+            loaded = load_model(directory, "float32", mesh=MeshSpec.parse(ENGINE_MESHES[name][0]))
+            one_device = _reference_tokens(ck)
+            for text in ENGINE_MESHES[name]:
+                results["engine"][f"{name} {text}"] = {"mesh": _engine_tokens(loaded, MeshSpec.parse(text)),
+                                                       "one_device": one_device}
+                print(name, "engine", text, f"{time.perf_counter() - started:.0f}s", flush=True)
         if name in HLO_MESH:
             results["hlo"][f"{name} {HLO_MESH[name]}"] = _hlo_collectives(ck, MeshSpec.parse(HLO_MESH[name]))
+        if name == PROFILE[0]:
+            results["profile"] = {"mesh": PROFILE[1], "layers": ck.config.num_layers,
+                                  **_profile(directory, PROFILE[1], os.path.join(os.path.dirname(out_json), "profile"))}
+            print(name, "profile", f"{time.perf_counter() - started:.0f}s", flush=True)
     with open(out_json, "w") as f:
         json.dump(results, f)
 

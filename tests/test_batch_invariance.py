@@ -52,3 +52,15 @@ def test_greedy_tokens_and_logprobs_are_bit_identical_alone_and_batched(engine):
     for (ids_a, lp_a), (ids_b, lp_b) in zip(alone, together, strict=True):
         assert ids_a == ids_b
         np.testing.assert_array_equal(lp_a, lp_b)  # bit-identical, not merely close
+
+
+
+def test_serve_refuses_the_flag_with_a_mesh_before_loading_anything():
+    """(tests/test_server_real.py starts a real `gemmax serve --batch-invariant` and reads /health.)"""
+    from typer.testing import CliRunner
+
+    from gemmax.cli import app
+
+    refused = CliRunner().invoke(app, ["serve", "--model", "/no/such/model", "--batch-invariant", "--mesh", "dp=2"],
+                                 env={"COLUMNS": "200"})
+    assert refused.exit_code == 2 and "cannot be combined with --mesh" in refused.output

@@ -38,6 +38,7 @@ TOOLS = {"list_rigs", "start_deployment", "stop_deployment", "list_deployments",
          "deploy_status", "deploy_logs", "deploy_benchmark", "deploy_cache_push", "deploy_cache_restore",
          "deploy_terminate", "deploy_cleanup", "deploy_cost"}
 GEMMAX_OPTIONS = {"dtype": "float32", "max_model_len": 128, "max_batch": 2, "timeout_s": 400}
+KEY = "mcp-test-key"  # the module's gemmax deployment requires it: query_model and run_sweep must send it
 
 
 def free_port() -> int:
@@ -80,7 +81,7 @@ def gemmax_deployment(state, checkpoint) -> dict:
     """`start_deployment` of the gemmax rig, waited until /health is 200 (the structured result)."""
     port = free_port()
     result = anyio.run(lambda: call("start_deployment", rig="gemmax", model=str(checkpoint), port=port,
-                                    options=GEMMAX_OPTIONS))
+                                    options={**GEMMAX_OPTIONS, "api_key": KEY}))
     return ok(result)
 
 
@@ -127,9 +128,11 @@ async def test_gemmax_deployment_query_sweep_status_logs(gemmax_deployment, chec
         assert isinstance(query["degeneracy"]["degenerate"], bool)
         # the counter moves by exactly this response's verdict
         assert query["degenerate_responses_delta"] == (1.0 if query["degeneracy"]["degenerate"] else 0.0)
-        # the same request straight over HTTP gives the same greedy text
-        direct = httpx.post(f"{status['base_url']}/v1/completions", timeout=60,
-                            json={"prompt": "Hello world", "max_tokens": 8, "temperature": 0}).json()
+        # the same request straight over HTTP gives the same greedy text, with the key the tool sent
+        body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}
+        assert httpx.post(f"{status['base_url']}/v1/completions", timeout=60, json=body).status_code == 401
+        direct = httpx.post(f"{status['base_url']}/v1/completions", timeout=60, json=body,
+                            headers={"Authorization": f"Bearer {KEY}"}).json()
         assert query["text"] == direct["choices"][0]["text"]
 
         chat = ok(await client.call_tool("query_model", {"deployment": name, "prompt": "Hi", "max_tokens": 4,

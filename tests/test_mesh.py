@@ -61,7 +61,7 @@ def test_every_mesh_gives_one_device_logits_and_greedy_tokens(measured, name):
 
 
 def test_batching_engine_on_a_mesh_gives_the_one_device_greedy_tokens(measured):
-    assert len(measured["engine"]) == len(FAMILY_CONFIGS)
+    assert len(measured["engine"]) == 2 * len(FAMILY_CONFIGS)  # two meshes per config
     for key, got in measured["engine"].items():
         assert all(len(t) >= 10 for t in got["mesh"]), key
         assert got["mesh"] == got["one_device"], key
@@ -80,3 +80,17 @@ def test_tp_decode_step_all_reduces_per_layer_and_never_gathers_a_weight(measure
     weights |= {w[::-1] for w in weights}
     gathered = [tuple(d) for d in hlo["all_gather_dims"] if tuple(d) in weights]
     assert not gathered, f"{key}: whole weight matrices all-gathered: {gathered}"
+
+
+def test_profile_on_a_mesh_reports_the_collectives_share(measured):
+    got = measured["profile"]
+    assert got["exit_code"] == 0, got["output"]
+    report = got["report"]
+    assert report["mesh"] == got["mesh"] and report["devices"] == 8
+    assert f"mesh {got['mesh']}" in got["output"]
+    collective = report["categories"]["collective"]
+    # at least an all-reduce after each layer's attention and MLP, and the LM head's gather
+    assert collective["ops"] >= 2 * got["layers"] + 1, collective
+    assert 0 < collective["percent"] < 100 and report["host_step_ms"] > 0
+    assert sum(c["percent"] for c in report["categories"].values()) == pytest.approx(100, abs=1)
+    assert report["roofline_percent"] is None  # not computed on a mesh

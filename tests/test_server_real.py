@@ -175,7 +175,8 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--model", str(checkpoint), "--port",
-                             str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny"],
+                             str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny",
+                             "--batch-invariant"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
@@ -190,6 +191,7 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
         health = httpx.get(f"{url}/health").json()
         assert health["policy"]["platform"] == "cpu" and health["precision"]["weights"] == "bfloat16"
         assert health["weight_bytes"] > 0 and health["max_model_len"] == 64 and health["slots"]["total"] == 2
+        assert health["batch_invariant"] is True  # the flag reached the engine
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                            temperature=0)

@@ -70,6 +70,10 @@ def with_quant_options(command):
     return wrapper
 
 
+_COORDINATOR_HELP = "several hosts: jax.distributed coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS; TPU pods and SLURM are detected)"
+_NUM_PROCESSES_HELP = "several hosts: processes in all"
+
+
 @app.command()
 @with_quant_options
 def generate(
@@ -83,8 +87,8 @@ def generate(
     seed: int = typer.Option(None),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
-    coordinator: str = typer.Option(None, help="several hosts: jax.distributed coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS; TPU pods and SLURM are detected)"),
-    num_processes: int = typer.Option(None, min=1, help="several hosts: processes in all"),
+    coordinator: str = typer.Option(None, help=_COORDINATOR_HELP),
+    num_processes: int = typer.Option(None, min=1, help=_NUM_PROCESSES_HELP),
     process_id: int = typer.Option(None, min=0, help="several hosts: this process's index (0 prints)"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     quant=None,
@@ -98,13 +102,7 @@ def generate(
     from gemmax.engine.loading import load_model
 
     spec = _mesh_spec(mesh)
-    distributed = coordinator is not None or num_processes is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
-    if distributed:
-        if spec is None:
-            raise typer.BadParameter("several processes need --mesh over their devices")
-        from gemmax.engine.mesh import init_distributed
-
-        init_distributed(coordinator, num_processes, process_id)
+    distributed = _join_processes(spec, coordinator, num_processes, process_id)
     try:
         loaded = load_model(model, dtype, quant, mesh=spec)
     except ValueError as exc:  # quantisation options this device cannot run (QuantError, W4A16FitError)
@@ -138,6 +136,19 @@ def generate(
         typer.echo(json.dumps(payload))
     else:
         typer.echo(text if text is not None else ",".join(map(str, out)))
+
+
+def _join_processes(spec, coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """`jax.distributed.initialize` when the flags or JAX_COORDINATOR_ADDRESS ask for several
+    processes (before anything touches a device); returns whether they did."""
+    if coordinator is None and num_processes is None and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return False
+    if spec is None:
+        raise typer.BadParameter("several processes need --mesh over their devices")
+    from gemmax.engine.mesh import init_distributed
+
+    init_distributed(coordinator, num_processes, process_id)
+    return True
 
 
 def _mesh_spec(text: str | None):
@@ -263,6 +274,9 @@ def serve(
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
     log_level: str = typer.Option("info"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
+    coordinator: str = typer.Option(None, help=_COORDINATOR_HELP),
+    num_processes: int = typer.Option(None, min=1, help=_NUM_PROCESSES_HELP),
+    process_id: int = typer.Option(None, min=0, help="several hosts: this process's index (0 serves HTTP, the others follow its schedule)"),
     quant=None,
 ) -> None:
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming."""
@@ -270,6 +284,19 @@ def serve(
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
     spec = _mesh_spec(mesh)
+    if batch_invariant and spec is not None:  # refused before anything loads
+        raise typer.BadParameter("--batch-invariant decodes row by row on one device: it cannot be combined with --mesh")
+    engine_options = dict(max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None,
+                          batch_invariant=batch_invariant,
+                          prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only
+    if _join_processes(spec, coordinator, num_processes, process_id):
+        import jax
+
+        if jax.process_index() != 0:  # no HTTP here: run process 0's schedule on this process's devices
+            from gemmax.engine.loading import follow_engine
+
+            follow_engine(model, dtype, quant, spec, **engine_options)
+            return
     from gemmax.server.app import ServerSettings
     from gemmax.server.serve import serve as run_server
 
@@ -284,9 +311,7 @@ def serve(
     def load():  # /health answers 503 until the engine's warm-up is done
         from gemmax.engine.loading import start_engine
 
-        return start_engine(model, dtype, quant, mesh=spec, max_model_len=max_model_len, max_batch=max_batch,
-                            max_queue=max_queue or None, batch_invariant=batch_invariant,
-                            prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only
+        return start_engine(model, dtype, quant, mesh=spec, **engine_options)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 
@@ -533,6 +558,7 @@ def profile(
                                          "else measured here with all cores)"),
     out: str = typer.Option("gemmax-profile", help="directory for the trace (xprof / TensorBoard) and profile.json"),
     compare: tuple[str, str] = typer.Option(None, help="print two profile.json side by side, run nothing"),
+    mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: the decode step on a mesh of D*T*E devices, with the collectives' share (docs/mesh.md); default one device"),
     quant=None,
 ) -> None:
     """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
@@ -551,13 +577,16 @@ def profile(
         raise typer.BadParameter("--layout must be 'auto' or 'plain'")
     from gemmax.profile.run import load_weights, profile_decode
 
+    spec = _mesh_spec(mesh)
+    if spec is not None and layout != "auto":
+        raise typer.BadParameter("--layout plain is a one-device form: it cannot be combined with --mesh")
     try:
-        params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant)
-    except ValueError as exc:
+        params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant, mesh=spec)
+        result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
+                                context=context, peak_gbs=peak_bandwidth, mesh=spec,
+                                model=name + ("" if layout == "auto" else f" (layout {layout})"))
+    except ValueError as exc:  # includes a MeshError: a mesh this model or batch cannot split
         raise typer.BadParameter(str(exc)) from exc
-    result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
-                            context=context, peak_gbs=peak_bandwidth,
-                            model=name + ("" if layout == "auto" else f" (layout {layout})"))
     typer.echo(reports.table([result]))
     typer.echo("\nslowest ops:\n" + reports.top_ops_table(result))
     typer.echo(f"\ntrace: {out} (open with xprof or `tensorboard --logdir {out}`); report: {out}/profile.json")

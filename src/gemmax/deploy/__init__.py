@@ -6,7 +6,8 @@ orphans and cost. Every remote resource is recorded in an on-disk registry (`reg
 restarted MCP server or a second CLI sees and terminates what another started. The `local` target
 (processes on this machine) stays in `gemmax.mcp.deployments`; the MCP and CLI layers route to it.
 
-  registry   remote deployments in `remote.json` under the state directory (flock, atomic replace)
+  records    the state directory and its record files (a file lock, an atomic replace)
+  registry   remote deployments in `remote.json` under the state directory
   cost       on-demand prices, spot price history, instance-hours and the guard rails
   aws        EC2 through boto3: zone fallback on capacity errors, user data, tags, terminate, cleanup
   ssh        a host over asyncssh: install, start, stop, status, logs, tunnel

@@ -5,35 +5,26 @@ recorded the moment `RunInstances` answers, before the boot is waited for), so a
 MCP server or a second process still sees it and can terminate it. Ended deployments stay (their
 instance-hours count against the guard rails and `cost` reports them); a new launch of the same name
 replaces an ended record.
-Writes take an exclusive `flock` and replace the file atomically.
+Writes go through `records.RecordFile` (a lock, an atomic replace, owner-only: it holds API keys).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import platformdirs
 from pydantic import BaseModel, Field
 
 from gemmax.deploy.errors import DeployError
+from gemmax.deploy.records import RecordFile, state_dir
 
 Target = Literal["ssh", "aws"]
 State = Literal["launching", "booting", "ready", "failed", "stopped", "terminated"]
 ENDED = ("failed", "stopped", "terminated")
 NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,62}")  # also a directory on an ssh host and an EC2 tag value
-
-
-def state_dir() -> Path:
-    """$GEMMAX_STATE_DIR, else the user state dir (the same directory as the local deployments')."""
-    return Path(os.environ.get("GEMMAX_STATE_DIR") or platformdirs.user_state_dir("gemmax"))
 
 
 class Attempt(BaseModel):
@@ -100,33 +91,14 @@ class Registry:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_dir()
         self.file = self.root / "remote.json"
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, RemoteDeployment]]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "remote.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            records = self._read()
-            yield records
-            tmp = self.file.with_suffix(f".tmp{os.getpid()}")
-            payload = {n: r.model_dump() | {"api_key": r.api_key} for n, r in records.items()}
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds API keys
-            with os.fdopen(fd, "w") as f:
-                json.dump({"deployments": payload}, f, indent=1)
-            os.replace(tmp, self.file)
-
-    def _read(self) -> dict[str, RemoteDeployment]:
-        try:
-            data = json.loads(self.file.read_text())
-        except FileNotFoundError:
-            return {}
-        return {name: RemoteDeployment(**rec) for name, rec in data.get("deployments", {}).items()}
+        self._records = RecordFile(self.file, RemoteDeployment, private=True,
+                                   dump=lambda r: r.model_dump() | {"api_key": r.api_key})
 
     def records(self) -> list[RemoteDeployment]:
-        return sorted(self._read().values(), key=lambda r: r.created)
+        return sorted(self._records.read().values(), key=lambda r: r.created)
 
     def get(self, name: str) -> RemoteDeployment:
-        records = self._read()
+        records = self._records.read()
         if name not in records:
             raise DeployError(f"no remote deployment named {name!r} (known: {', '.join(sorted(records)) or 'none'})")
         return records[name]
@@ -137,7 +109,7 @@ class Registry:
         if not NAME.fullmatch(record.name):
             raise DeployError(f"deployment name {record.name!r}: start with a letter or digit, then letters, digits, "
                               "'.', '_' or '-' (at most 63)")
-        with self._locked() as records:
+        with self._records.locked() as records:
             if guard is not None:
                 guard(list(records.values()))
             if (name_taken := records.get(record.name)) and name_taken.active:
@@ -146,7 +118,7 @@ class Registry:
             records[record.name] = record
 
     def update(self, name: str, **changes: Any) -> RemoteDeployment:
-        with self._locked() as records:
+        with self._records.locked() as records:
             if name not in records:
                 raise DeployError(f"no remote deployment named {name!r}")
             record = records[name].model_copy(update=changes)
@@ -155,7 +127,7 @@ class Registry:
 
     def event(self, name: str, event: str, **extra: Any) -> RemoteDeployment:
         """Record a boot event at now, in seconds after the launch request."""
-        with self._locked() as records:
+        with self._records.locked() as records:
             record = records[name]
             record.timeline.setdefault(event, round(time.time() - record.created, 3))
             record.timeline.update(extra)

@@ -21,6 +21,10 @@ loop thread admits queued requests into free slots between decode dispatches, th
 `steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
 waits for the host between them), streams each step's tokens as soon as that step is done, and
 frees the slots of finished or cancelled requests at once.
+
+Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
+calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
+(gemmax.engine.schedule).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -56,6 +61,7 @@ from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.prefix_cache import PrefixCache
 from gemmax.engine.sampling import row_values
+from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
 from gemmax.engine.shapes import ShapePlan, plan_chunks
 from gemmax.engine.steps import (
     DeviceState,
@@ -69,6 +75,21 @@ from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
 
 log = logging.getLogger("gemmax.engine")
+
+
+def _replayed(method):
+    """A device call of the engine. Across processes (a `schedule.Leader` attached) it is first sent
+    to the other processes, which run the same call (`gemmax.engine.schedule.follow`); in one
+    process this costs one attribute test."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.schedule is not None:
+            self.schedule.send(method.__name__, args, kwargs)
+        return method(self, *args, **kwargs)
+
+    return call
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -97,7 +118,7 @@ class BatchEngine:
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
-                 batch_invariant: bool = False, prefix_cache_bytes: int | None = 0):
+                 batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         if mesh is not None:  # prefix caching runs on one device (its copies are not compiled for a mesh)
@@ -132,6 +153,9 @@ class BatchEngine:
             self.params = shard_params(self.params, self.config, self.mesh)
             log.info("%s", mesh_summary(mesh, self.config, self.mesh))
         self.steps_per_dispatch = steps_per_dispatch
+        # Process 0 of several (`gemmax.engine.schedule.Leader`): every device call is sent to the
+        # others before it runs; None in one process.
+        self.schedule = schedule
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
         self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
@@ -244,6 +268,8 @@ class BatchEngine:
             self._thread = threading.Thread(target=self._run, name="gemmax-engine", daemon=True)
             self._thread.start()
         else:
+            if self.schedule is not None:  # only the background thread tells the followers to stop
+                raise ValueError("an engine followed by other processes starts in the background")
             self._warm_up()
             self._thread = threading.Thread(target=self._loop, name="gemmax-engine", daemon=True)
             self._thread.start()
@@ -257,14 +283,19 @@ class BatchEngine:
 
     def _run(self) -> None:
         try:
-            self._warm_up()
-        except BaseException as exc:  # surfaced through wait_ready / health
-            self.error = exc
-            log.exception("engine warm-up failed")
-            self._ready.set()
-            return
-        self._loop()
+            try:
+                self._warm_up()
+            except BaseException as exc:  # surfaced through wait_ready / health
+                self.error = exc
+                log.exception("engine warm-up failed")
+                self._ready.set()
+                return
+            self._loop()
+        finally:
+            if self.schedule is not None:  # the other processes stop following
+                self.schedule.send(STOP)
 
+    @_replayed
     def _init_device_state(self) -> None:
         self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
         self.want_logprobs[:] = False
@@ -295,7 +326,8 @@ class BatchEngine:
                 if start:
                     self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
             for size, kv_len in self.shapes.decode_shapes:  # all rows idle: nothing is written
-                self._dispatch_decode(1, None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
+                self._dispatch_decode(1, self.want_logprobs,
+                                      None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
             # Measured on CPU (built-in model): without this second round, the first real request's
             # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
             # a second run of each prefill shape removes it (the cause was not found).
@@ -321,6 +353,17 @@ class BatchEngine:
                 self._decode_dispatch()
 
     # ------------------------------------------------------------------------------ device calls
+    @_replayed
+    def _set_sampling_row(self, slot: int, sampling, prompt: list[int]) -> None:
+        """Slot `slot`'s sampling settings (`sampling`: SamplingParams with its seed set) for `prompt`."""
+        self.device = set_sampling_row(self.device, jnp.int32(slot), row_values(sampling, prompt, self.config.vocab_size))
+
+    @_replayed
+    def _set_slot(self, slot: int, **values: int) -> None:
+        """Slot `slot`'s token, position or remaining budget (DeviceState.with_slot)."""
+        self.device = self.device.with_slot(slot, **values)
+
+    @_replayed
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool, mask: np.ndarray | None = None):
         before = self.steps.prefill_step._cache_size()
@@ -330,15 +373,16 @@ class BatchEngine:
             config=self.config, precision=self.precision, kv_len=self.shapes.kv_bound(start))
         return out, self.steps.prefill_step._cache_size() != before
 
-    def _dispatch_decode(self, steps: int, rows: np.ndarray | None = None, kv_len: int | None = None,
-                         masks: np.ndarray | None = None):
+    @_replayed
+    def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
+                         kv_len: int | None = None, masks: np.ndarray | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
-        slots, or for the group `rows`; returns each step's outputs (per slot, or per row of `rows`)
-        as device arrays, still being computed. `kv_len` must cover every active row's position
+        slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
+        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being computed. `kv_len` must cover every active row's position
         through the last of these steps. `masks` (one step only): packed allowed-token masks per
         slot or row of `rows` (constrained decoding)."""
         outputs = []
-        want = jnp.asarray(self.want_logprobs)
+        want = jnp.asarray(want_logprobs)
         kv_len = kv_len or self.max_model_len
         mask = None if masks is None else jnp.asarray(masks)
         for _ in range(steps):
@@ -370,9 +414,14 @@ class BatchEngine:
             while True:
                 with self._lock:
                     while not self._stop and not self._queue and all(s is None for s in self._slots):
-                        self._lock.wait()
+                        if not self._lock.wait(None if self.schedule is None else IDLE_SECONDS):
+                            break  # several processes, idle: tell the followers (below)
                     if self._stop:
                         break
+                    idle = self.schedule is not None and not self._queue and all(s is None for s in self._slots)
+                if idle:
+                    self.schedule.send(IDLE)
+                    continue
                 try:
                     self._admit()
                     self._reap_cancelled()
@@ -436,8 +485,10 @@ class BatchEngine:
         slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
                      budget=min(request.max_tokens, self.max_model_len - len(prompt)),
                      submitted=submitted, admitted=admitted)
-        self.device = set_sampling_row(self.device, jnp.int32(slot_index),
-                                       row_values(request.sampling, prompt, self.config.vocab_size))
+        sampling = request.sampling
+        if self.schedule is not None and sampling.seed is None:  # every process draws the same row key
+            sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence().entropy % (2**31)))
+        self._set_sampling_row(slot_index, sampling, prompt)
         want = request.logprobs is not None
         mask = None
         if request.constraint is not None:
@@ -465,10 +516,10 @@ class BatchEngine:
         slot.prefill_seconds = now - admitted
         self._slots[slot_index] = slot
         self.want_logprobs[slot_index] = want
-        self.device = self.device.with_slot(slot_index, token=int(token), position=len(prompt), remaining=0)
+        self._set_slot(slot_index, token=int(token), position=len(prompt), remaining=0)
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
             # budget counts the token just produced; the device runs while tokens are still owed
-            self.device = self.device.with_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+            self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int]) -> tuple[list[tuple[int, int]], list[bytes]]:
         """The chunks that prefill `prompt` into slot `slot_index`, and its block keys. With prefix
@@ -520,7 +571,7 @@ class BatchEngine:
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
         kv_len = self.shapes.kv_bound(furthest)
-        outputs = self._dispatch_decode(steps, rows, kv_len, masks)
+        outputs = self._dispatch_decode(steps, self.want_logprobs, rows, kv_len, masks)
         for out in outputs:
             # Each step's tokens go out as soon as that step is done, while the device runs the next.
             ids, lps, top_ids, top_lps, active = jax.device_get(out)
@@ -565,7 +616,7 @@ class BatchEngine:
 
     def _finish(self, i: int, reason: str, stop_token: int | None = None, error: str | None = None) -> None:
         slot = self._slots[i]
-        self.device = self.device.with_slot(i, remaining=0)
+        self._set_slot(i, remaining=0)
         self.want_logprobs[i] = False
         with self._lock:
             self._slots[i] = None

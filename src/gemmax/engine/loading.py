@@ -7,11 +7,14 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
+
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.kernel_probe import live_probe
 from gemmax.engine.mesh import MeshSpec
 from gemmax.engine.policy import DevicePolicy, device_policy, log_policy
+from gemmax.engine.schedule import Leader, follow
 from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
 from gemmax.quant.options import QuantOptions
@@ -82,6 +85,16 @@ def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | Non
     engine and start its warm-up (in the engine's thread; it reports ready when done).
     Returns (engine, tokenizer)."""
     loaded = load_model(model, dtype, quant, mesh=mesh)
-    engine = BatchEngine(loaded, mesh=mesh, **engine_options)
+    schedule = Leader() if jax.process_count() > 1 else None  # process 0 of several: the others follow
+    engine = BatchEngine(loaded, mesh=mesh, schedule=schedule, **engine_options)
     engine.start()
     return engine, loaded.tokenizer
+
+
+def follow_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, mesh: MeshSpec,
+                  **engine_options) -> int:
+    """What `gemmax serve` runs on every process but 0 (`jax.distributed`): load the same model,
+    build the same engine, and replay process 0's device calls (gemmax.engine.schedule) until it
+    stops. Returns the number of calls replayed."""
+    loaded = load_model(model, dtype, quant, mesh=mesh)
+    return follow(BatchEngine(loaded, mesh=mesh, **engine_options))

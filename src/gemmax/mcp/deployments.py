@@ -7,8 +7,8 @@ server that started it. Each start is recorded in `deployments.json` under the s
 (`platformdirs.user_state_dir("gemmax")`, or `$GEMMAX_STATE_DIR`): name, rig, model, host, port,
 pid and the process's start time (a recycled pid is not mistaken for the deployment), the command
 line, the log path and the start time. Any process reading that file (a restarted MCP server, a
-second one) sees, inspects and stops the same deployments. Writes take an exclusive `flock` and
-replace the file atomically, so readers never see half a file.
+second one) sees, inspects and stops the same deployments. Writes go through
+`gemmax.deploy.records.RecordFile` (a lock, an atomic replace), so readers never see half a file.
 
 State of a deployment, from the process first and HTTP second:
   dead         the process is gone (or is a zombie, or its pid now belongs to another process)
@@ -25,9 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import fcntl
 import ipaddress
-import json
 import os
 import re
 import signal
@@ -35,15 +33,14 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import platformdirs
 import psutil
 from pydantic import BaseModel, Field
 
+from gemmax.deploy.records import RecordFile, state_dir
 from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
 # gemmax.weights.checkpoint.HUB_ID, restated: importing the checkpoint layer would pull JAX into the MCP process.
@@ -57,10 +54,6 @@ LOG_TAIL_ON_ERROR = 40
 class DeploymentError(Exception):
     """An anticipated failure (bad argument, busy port, a rig that died at start): the message says
     what happened and, where there is one, carries the tail of the rig's log."""
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("GEMMAX_STATE_DIR") or platformdirs.user_state_dir("gemmax"))
 
 
 class DeploymentRecord(BaseModel):
@@ -200,33 +193,16 @@ class Deployments:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_dir()
         self.file = self.root / "deployments.json"
+        self._records = RecordFile(self.file, DeploymentRecord)
         self.logs = self.root / "logs"
         self._children: dict[int, subprocess.Popen] = {}  # pid -> Popen for processes started here
+        self._keys: dict[str, str] = {}  # name -> the API key a deployment started here was given (never on disk)
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- registry file
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, DeploymentRecord]]:
-        """Read-modify-write under an exclusive flock; the yielded dict is written back on exit."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "deployments.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            records = self._read()
-            yield records
-            tmp = self.file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"deployments": {n: r.model_dump() for n, r in records.items()}}, indent=1))
-            os.replace(tmp, self.file)
-
-    def _read(self) -> dict[str, DeploymentRecord]:
-        try:
-            data = json.loads(self.file.read_text())
-        except FileNotFoundError:
-            return {}
-        return {name: DeploymentRecord(**rec) for name, rec in data.get("deployments", {}).items()}
-
     def records(self) -> list[DeploymentRecord]:
-        records = self._read()
+        records = self._records.read()
         with self._lock:  # forget (and reap) exited children whose record another server removed
             for pid, child in list(self._children.items()):
                 if child.poll() is not None and all(r.pid != pid for r in records.values()):
@@ -234,7 +210,7 @@ class Deployments:
         return sorted(records.values(), key=lambda r: r.started_at)
 
     def get(self, name: str) -> DeploymentRecord:
-        records = self._read()
+        records = self._records.read()
         if name not in records:
             known = ", ".join(sorted(records)) or "none"
             raise DeploymentError(f"no deployment named {name!r} (known: {known})")
@@ -313,7 +289,7 @@ class Deployments:
         if not NAME.fullmatch(name):
             raise DeploymentError(f"deployment name {name!r}: use letters, digits, '.', '_' and '-' only")
         self.logs.mkdir(parents=True, exist_ok=True)
-        with self._locked() as records:
+        with self._records.locked() as records:
             for other in records.values():
                 if self._process(other) is not None and (other.name == name or other.port == port):
                     raise DeploymentError(f"deployment {other.name!r} ({other.rig}, pid {other.pid}) already "
@@ -327,6 +303,10 @@ class Deployments:
                                      start_new_session=True, env=_rig_env(api_key))
             with self._lock:
                 self._children[process.pid] = process
+                if api_key:
+                    self._keys[name] = api_key
+                else:
+                    self._keys.pop(name, None)
             record = DeploymentRecord(
                 name=name, rig=rig, model=options.model, host=host, port=port, pid=process.pid,
                 process_started=psutil.Process(process.pid).create_time(), command=spec.command(options),
@@ -342,6 +322,12 @@ class Deployments:
                 raise DeploymentError(f"{rig} on port {port} did not become healthy: {exc}; it was stopped and "
                                       f"removed. Log {log} ends with:\n{tail}") from None
         return self._status(record)
+
+    def api_key(self, name: str) -> str | None:
+        """The API key deployment `name` was started with by this process (None: none, or started
+        elsewhere: a key is kept in memory only, so another server process must be given it)."""
+        with self._lock:
+            return self._keys.get(name)
 
     def stop(self, name: str, timeout_s: float = 30.0) -> StopResult:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL what is left; the record is removed either way."""
@@ -369,7 +355,8 @@ class Deployments:
             exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
         with self._lock:
             self._children.pop(record.pid, None)
-        with self._locked() as records:
+            self._keys.pop(name, None)
+        with self._records.locked() as records:
             if name in records and records[name].pid == record.pid:
                 del records[name]
         return StopResult(name=name, state_before=state, how=how, exit_code=exit_code,

@@ -282,14 +282,18 @@ def fit_check(model: str, max_model_len: Annotated[int, Field(ge=1)] = 2048, max
 
 async def query_model(deployment: str, prompt: str, max_tokens: Annotated[int, Field(ge=1)] = 32,
                       temperature: Annotated[float, Field(ge=0)] = 0.0, seed: int | None = None,
-                      chat: bool = False) -> QueryResult:
+                      chat: bool = False, api_key: str | None = None) -> QueryResult:
     """Send one request to a deployment (/v1/completions, or /v1/chat/completions with chat=true, the
     prompt as one user message) and return the text with the server's degeneracy verdict and the change
-    in its gemmax:degenerate_responses_total counter across the request."""
+    in its gemmax:degenerate_responses_total counter across the request. api_key: the deployment's key
+    (default: the one it was started with by this server)."""
     from gemmax.bench.sweep import degenerate_count
 
     record = deployments().get(deployment)
-    async with httpx.AsyncClient(base_url=record.base_url, timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+    key = api_key or deployments().api_key(deployment)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=record.base_url, headers=headers,
+                                 timeout=httpx.Timeout(600.0, connect=10.0)) as client:
         listed = (await client.get("/v1/models")).json().get("data") or [{}]
         model = listed[0].get("id") or record.model
         body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
@@ -326,12 +330,13 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
                     request_rates: list[float] | None = None, num_prompts: int | None = None,
                     decode_source: Literal["auto", "stream", "gauge", "both"] | None = None,
                     prompt_mode: Literal["auto", "server", "local", "ids"] | None = None,
-                    label: str | None = None, out: str | None = None) -> SweepSummary:
+                    label: str | None = None, out: str | None = None, api_key: str | None = None) -> SweepSummary:
     """Run the benchmark harness (`gemmax bench`) against a deployment: every input length x load
     level, a warm-up round then `repeats` measured rounds each, timed from the wire. Unset arguments
     take the harness defaults (input lengths 41,521,2057,3593; 64 output tokens; 3 repeats;
     concurrency 1). Writes the full result JSON to OUT (default: under the state directory) and
-    returns its path with the headline figures. The label defaults to the deployment name."""
+    returns its path with the headline figures. The label defaults to the deployment name. api_key: the
+    deployment's key (default: the one it was started with by this server)."""
     from gemmax.bench.report import summary_line, write_json
     from gemmax.bench.sweep import Sweep, SweepConfig
 
@@ -342,6 +347,7 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
              "request_rates": request_rates, "num_prompts": num_prompts, "decode_source": decode_source,
              "prompt_mode": prompt_mode}
     config = SweepConfig(base_url=record.base_url, label=label or record.name,
+                         api_key=api_key or deployments().api_key(deployment),
                          **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     result = await Sweep(config).run()
     path = confined(out, "out") if out else state_dir() / "results" / f"{record.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -8,6 +8,8 @@ from a kernel's name.
 An op's *body* is the instruction itself, or for a fusion every instruction of its fused computation
 (nested fusions included, reduction regions not: they are scalar combiners). Rules, first match wins:
 
+0. `collective`: an all-reduce, all-gather, reduce-scatter, all-to-all or collective-permute (also
+   their async -start / -done halves): the communication of a step on a mesh (`--mesh`).
 1. `matmul_fp32` / `matmul_lowp`: the body holds a `dot` or `convolution` (or the op is a GEMM
    `custom-call`) and one of its operands is a weight. A weight is an entry parameter passed under
    `weight_arg` (decode_step's `params`), or the output of an op that only converts and moves a
@@ -26,7 +28,7 @@ An op's *body* is the instruction itself, or for a fusion every instruction of i
 4. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes, with the `dynamic-slice` that
    reads the slot's old value fused in).
 5. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows).
-6. `reduce`: `reduce`, `reduce-window`, `sort`, `all-reduce` (norms, softmax, sampling).
+6. `reduce`: `reduce`, `reduce-window`, `sort` (norms, softmax, sampling).
 7. `copy`: data movement only (layout copies, concatenations).
 8. `elementwise`: anything else that computes (arithmetic, compare / select, transcendentals).
 9. `control`: the own time of `conditional`, `while` and `call` (their bodies are timed as ops).
@@ -41,7 +43,7 @@ from gemmax.engine.hlo import HloIndex, Instr
 
 # The categories, in the order reports list them.
 CATEGORIES = ("conversion", "matmul_fp32", "matmul_lowp", "attention", "gather", "scatter", "reduce", "copy",
-              "elementwise", "control")
+              "elementwise", "control", "collective")
 
 DATA_MOVEMENT = frozenset({
     "parameter", "constant", "bitcast", "reshape", "transpose", "copy", "broadcast", "slice", "concatenate",
@@ -51,7 +53,10 @@ _MOVES_OR_CONVERTS = DATA_MOVEMENT | {"convert"}
 _DOTS = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
 _GATHERS = frozenset({"gather", "dynamic-slice"})
 _SCATTERS = frozenset({"scatter", "dynamic-update-slice"})
-_REDUCES = frozenset({"reduce", "reduce-window", "sort", "all-reduce"})
+_REDUCES = frozenset({"reduce", "reduce-window", "sort"})
+_COLLECTIVES = frozenset(f"{op}{half}" for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                                  "collective-permute", "collective-broadcast")
+                         for half in ("", "-start", "-done"))
 _CONTROL = frozenset({"conditional", "while", "call", "async-start", "async-done"})
 _FP32 = frozenset({"f32", "f64"})
 
@@ -138,7 +143,9 @@ class Classifier:
         ops = {i.opcode for i in body}
         gemm_call = instr.opcode == "custom-call" and bool(re.search(r"gemm|matmul", instr.target or "", re.I))
         read = None
-        if ops & _DOTS or gemm_call:
+        if ops & _COLLECTIVES:
+            category = "collective"
+        elif ops & _DOTS or gemm_call:
             read = self._weight_read(instr, body)
             category = "attention" if read is None else ("matmul_fp32" if read in _FP32 else "matmul_lowp")
         elif _pure_conversion(body):

@@ -29,6 +29,7 @@ LABELS = {
     "copy": "  of which copies / layout",
     "elementwise": "  of which elementwise",
     "control": "  of which control flow (conditional, while)",
+    "collective": "  of which collectives (all-reduce, all-gather: --mesh)",
 }
 
 
@@ -56,7 +57,7 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     cats = report["categories"]
     b = report["bytes_per_step"]
     out = [(LABELS[k], _pct(report["shares"][k])) for k in SHARES]
-    out += [(LABELS[k], _pct(cats[k]["percent"])) for k in OTHER]
+    out += [(LABELS[k], _pct(cats[k]["percent"]) if k in cats else "n/a") for k in OTHER]  # older reports lack some
     out += [
         ("ops with a convert fused into other work", _pct(report["fused_convert_percent"])),
         ("tensor-core / MXU use (where the device reports it)", _tensor_core(report)),
@@ -80,7 +81,9 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 def _header(report: dict[str, Any]) -> str:
     p = report["precision"]
     return (f"{report['device']['kind']}: weights {p['weights']}, activations {p['activations']}, "
-            f"KV {p['kv_cache']}, batch {report['batch']}, context {report['context']}")
+            f"KV {p['kv_cache']}, batch {report['batch']}, context {report['context']}"
+            + (f", mesh {report['mesh']} (device time summed over its {report['devices']} devices)"
+               if report.get("mesh") else ""))
 
 
 def table(reports: list[dict[str, Any]], titles: list[str] | None = None) -> str:

