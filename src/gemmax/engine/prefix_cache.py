@@ -30,9 +30,10 @@ the last full one included, can keep its sliding part. A lookup takes the longes
 blocks whose needed sliding parts are all present, and always leaves at least one prompt token to
 prefill (its logits give the first generated token).
 
-Compiled shapes: the copies are jitted per block-count bucket (powers of two), compiled lazily on
-first use rather than at warm-up (start-up time matters more than the first hit's compile of a small
-gather / scatter); a request that compiled one reports `uncompiled_shape`.
+Compiled shapes: the copies are jitted per block-count bucket (powers of two, capped at max_len /
+block), compiled lazily on first use rather than at warm-up (start-up time matters more than the
+first hit's compile of a small gather / scatter); a request that compiled one reports
+`uncompiled_shape`. The prefill chunks after a hit use only the warmed prefill shapes (tested).
 """
 
 from __future__ import annotations
