@@ -204,6 +204,7 @@ def fit(
     dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
     prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: the engine's largest bucket)"),
+    prefix_cache_bytes: int = typer.Option(None, min=0, help="prefix cache budget, bytes, as serve's (default: free memory, at most 1 GiB; none with --mesh; 0: off)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     table: bool = typer.Option(False, "--table", help="for E2B, E4B, 31B and 26B-A4B on common accelerators: the smallest mesh serving 8 slots x 8,192 tokens (bf16) and the largest batch / context there"),
@@ -242,7 +243,8 @@ def fit(
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
                        prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
-                       weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
+                       weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None,
+                       prefix_cache_bytes=0 if spec is not None else prefix_cache_bytes)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:
         typer.echo(json.dumps({**plan.as_dict(), "quant": quant.label, "weight_bytes_by_option": by_option}))
@@ -268,6 +270,7 @@ def serve(
     max_queue: int = typer.Option(256, min=0, help="requests that may wait for a slot (0: no bound); beyond: 503 with Retry-After"),
     max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
+    prefix_cache_bytes: int = typer.Option(None, min=0, help="device bytes kept for the KV of prompt prefixes that later requests reuse (LRU; default: the memory plan's free bytes, at most 1 GiB; 0: off; not with --mesh; docs/server.md)"),
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
     log_level: str = typer.Option("info"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
@@ -284,7 +287,8 @@ def serve(
     if batch_invariant and spec is not None:  # refused before anything loads
         raise typer.BadParameter("--batch-invariant decodes row by row on one device: it cannot be combined with --mesh")
     engine_options = dict(max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant,
+                          prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only
     if _join_processes(spec, coordinator, num_processes, process_id):
         import jax
 

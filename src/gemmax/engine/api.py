@@ -103,6 +103,7 @@ class GenerationRequest:
     # over max_model_len is refused (the OpenAI API's rule for an explicit max_tokens).
     fit_to_context: bool = True
     constraint: Constraint | None = None  # None: free output
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,7 @@ class GenerationResult:
     degeneracy: DegeneracyVerdict
     stop_token_id: int | None = None  # the eos / stop id that ended it (not part of token_ids)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
 
     @property
     def completion_tokens(self) -> int:
@@ -153,6 +155,8 @@ class EngineStats:
     waiting: int
     slots_in_use: int
     slots_total: int
+    # Prefix cache counters and bytes (gemmax.engine.prefix_cache.PrefixCache.stats); None when off.
+    prefix_cache: dict[str, int] | None = None
 
 
 _END = object()
@@ -315,6 +319,8 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}")
     check_token_ids("stop_token_ids", request.stop_token_ids, vocab_size)
+    if request.cache_salt is not None and (not isinstance(request.cache_salt, str) or not request.cache_salt):
+        raise InvalidRequest("cache_salt", f"must be a non-empty string, got {request.cache_salt!r}")
     if request.logprobs is not None:
         _integer("logprobs", request.logprobs, 0, MAX_LOGPROBS)
     s = request.sampling

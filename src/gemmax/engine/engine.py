@@ -6,6 +6,9 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
+    prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
+                      the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
+                      per block-count bucket, compiled on first use, not at warm-up)
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
@@ -61,6 +64,7 @@ from gemmax.engine.api import (
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
+from gemmax.engine.prefix_cache import PrefixCache
 from gemmax.engine.sampling import row_values
 from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
 from gemmax.engine.shapes import ShapePlan, plan_chunks
@@ -110,6 +114,7 @@ class _Slot:
     bucket_total: int = 0
     pad_tokens: int = 0
     uncompiled: bool = False
+    cached_tokens: int = 0  # prompt tokens copied from the prefix cache, not prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None  # llguidance matcher of a constrained request (gemmax.engine.constraints)
 
@@ -120,9 +125,13 @@ class BatchEngine:
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
-                 batch_invariant: bool = False, schedule=None):
+                 batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
+        if mesh is not None:  # prefix caching runs on one device (its copies are not compiled for a mesh)
+            if prefix_cache_bytes:
+                raise ValueError("prefix caching runs on one device: give --prefix-cache-bytes 0 with --mesh")
+            prefix_cache_bytes = 0
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -135,7 +144,7 @@ class BatchEngine:
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
-            mesh=mesh))
+            mesh=mesh, prefix_cache_bytes=prefix_cache_bytes))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
@@ -157,6 +166,8 @@ class BatchEngine:
         self.schedule = schedule
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
+        self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
+        self.prefix_cache: PrefixCache | None = None  # allocated after warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
@@ -228,6 +239,7 @@ class BatchEngine:
             "batch_invariant": self.batch_invariant,
             "decode_groups": list(self.shapes.decode_groups),
             "kv_buckets": list(self.shapes.kv_buckets),
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
             "warmup": self.warmup_report,
         }
 
@@ -249,7 +261,8 @@ class BatchEngine:
         with self._lock:
             running = sum(s is not None for s in self._slots)
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
-                               slots_total=self.max_batch)
+                               slots_total=self.max_batch,
+                               prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         self._closing = True
@@ -309,6 +322,17 @@ class BatchEngine:
         self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
         self.want_logprobs[:] = False
 
+    def _init_prefix_cache(self) -> None:
+        """An empty prefix cache (after warm-up, so the throwaway requests leave nothing in it)."""
+        if not self.prefix_cache_bytes:
+            return
+        self.prefix_cache = PrefixCache(self.config, self.max_model_len, self.shapes.buckets[0],
+                                        self.prefix_cache_bytes, self.precision.kv_cache)
+        if not self.prefix_cache.capacity:
+            log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", self.prefix_cache_bytes,
+                        self.prefix_cache.block, self.prefix_cache.block_bytes)
+            self.prefix_cache = None
+
     def _warm_up(self) -> None:
         """Run one throwaway request per prefill bucket through the real admission and decode path, so
         every compiled shape (and every small helper kernel) exists before the first real request;
@@ -333,6 +357,7 @@ class BatchEngine:
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
+        self._init_prefix_cache()
         shapes = len(prefills) + len(self.shapes.decode_shapes)
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
@@ -528,8 +553,8 @@ class BatchEngine:
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
             compiler.fill(slot.matcher, mask, 0)
-        start = 0
-        chunks = plan_chunks(len(prompt), self.shapes.buckets)
+        chunks, keys = self._plan_prefill(slot_index, slot, prompt)
+        start = slot.cached_tokens
         for index, (real, bucket) in enumerate(chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
                 self._finish_unstarted(handle, submitted)
@@ -541,6 +566,8 @@ class BatchEngine:
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
             start += real
+            if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
+                slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
         token, lp, top_ids, top_lp = jax.device_get(out)
         now = time.perf_counter()
         slot.prefill_seconds = now - admitted
@@ -550,6 +577,22 @@ class BatchEngine:
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
             # budget counts the token just produced; the device runs while tokens are still owed
             self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+
+    def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int]) -> tuple[list[tuple[int, int]], list[bytes]]:
+        """The chunks that prefill `prompt` into slot `slot_index`, and its block keys. With prefix
+        caching the longest cached prefix is first copied into the slot (`slot.cached_tokens`) and the
+        chunks start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
+        prefixes = self.prefix_cache
+        if prefixes is None:
+            return plan_chunks(len(prompt), self.shapes.buckets), []
+        keys = prefixes.keys(prompt, slot.request.cache_salt)
+        hit = prefixes.lookup(keys, len(prompt))
+        if hit.blocks:
+            cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
+            self.device = dataclasses.replace(self.device, cache=cache)
+            slot.uncompiled |= compiled
+            slot.cached_tokens = hit.tokens
+        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets), keys
 
     def _constraint_compiler(self):
         """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""
@@ -655,7 +698,8 @@ class BatchEngine:
             log.debug("degenerate output for %s: %s", slot.handle.request_id, verdict.reason)
         slot.handle.finish(GenerationResult(
             token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
-            timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error))
+            timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error,
+            cached_tokens=slot.cached_tokens))
 
     def _finish_unstarted(self, handle: RequestHandle, submitted: float, reason: str = "cancelled",
                           error: str | None = None) -> None:
@@ -671,7 +715,7 @@ class BatchEngine:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
         state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
         lost and they carry on untouched."""
-        leaves = jax.tree.leaves(self.device)
+        leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
@@ -681,3 +725,4 @@ class BatchEngine:
             if slot is not None:
                 self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
         self._init_device_state()
+        self._init_prefix_cache()  # its pool may have gone with a failed copy

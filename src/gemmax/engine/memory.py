@@ -47,6 +47,10 @@ from gemmax.model.sharding import MESH_AXES, param_partition
 
 GiB = 1 << 30
 MiB = 1 << 20
+# The prefix cache's budget when none is given (`serve`, `fit`): the memory the plan leaves free, at
+# most this. 1 GiB holds ~58,000 prompt tokens of the built-in model's bf16 KV (18 KiB per token: a
+# cached block keeps every KV-owning layer's part).
+PREFIX_CACHE_DEFAULT_MAX = GiB
 
 
 # ------------------------------------------------------------------------------------- KV cache
@@ -145,10 +149,12 @@ class MemoryPlan:
     largest_max_model_len: int | None  # at max_batch (None: not even 1 token fits)
     largest_batch: int  # at max_model_len (0: not even one slot)
     mesh: str = "1 device"  # every byte figure is per device of this mesh
+    prefix_cache: int = 0  # the prefix cache's byte budget (gemmax.engine.prefix_cache; 0: off)
+    prefix_cache_auto: bool = False  # the budget is the default: free memory, at most PREFIX_CACHE_DEFAULT_MAX
 
     @property
     def required(self) -> int:
-        return self.weights + self.kv_cache + self.workspace
+        return self.weights + self.kv_cache + self.workspace + self.prefix_cache
 
     @property
     def available(self) -> int:
@@ -167,6 +173,7 @@ class MemoryPlan:
             f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
             f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings)",
             f"  workspace               {_fmt(self.workspace)} (prefill of {self.prefill_tokens:,} tokens, attention scores dominate)",
+            f"  prefix cache            {_fmt(self.prefix_cache)} ({self._prefix_note})",
             f"  required                {_fmt(self.required)}",
             f"  device memory           {_fmt(self.device_memory)} - reserve {_fmt(self.reserve)} = {_fmt(self.available)} available",
         ]
@@ -176,6 +183,12 @@ class MemoryPlan:
         out.append(f"  largest max_model_len at max_batch={b}: {longest}")
         out.append(f"  largest max_batch at max_model_len={n}: {self.largest_batch}")
         return out
+
+    @property
+    def _prefix_note(self) -> str:
+        if self.prefix_cache_auto:
+            return f"default: what the rest leaves free, at most {PREFIX_CACHE_DEFAULT_MAX / GiB:g} GiB; LRU-evicted"
+        return "budget, LRU-evicted" if self.prefix_cache else "off"
 
     def explain(self) -> str:
         return "\n".join(self.lines())
@@ -201,12 +214,15 @@ def plan_memory(
     reserve_fraction: float = 0.05,
     model: str = "model",
     mesh: MeshSpec | None = None,
+    prefix_cache_bytes: int | None = 0,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
     checkpoint's `Checkpoint.weight_bytes`). With a `mesh`, every figure is per device: each
     parameter divided by the mesh axes its sharding rule splits it over (`model.sharding`), the KV
-    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads)."""
+    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads).
+    `prefix_cache_bytes`: the prefix cache's budget, held on the device beside the KV cache (None: the
+    default, what the rest leaves free up to PREFIX_CACHE_DEFAULT_MAX; it never makes a plan not fit)."""
     if max_model_len < 1 or max_batch < 1:
         raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
     split = _MeshSplit(config, mesh)
@@ -215,12 +231,15 @@ def plan_memory(
 
     def required(n: int, b: int) -> int:
         chunk = n if prefill_tokens is None else min(prefill_tokens, n)
-        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype)
+        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype) + (prefix_cache_bytes or 0)
 
     available = device_memory - reserve
     longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
     widest = split.dp * (_largest(lambda r: required(max_model_len, r * split.dp) <= available, 1 << 16) or 0)
     chunk = max_model_len if prefill_tokens is None else min(prefill_tokens, max_model_len)
+    prefix_cache = prefix_cache_bytes
+    if prefix_cache is None:
+        prefix_cache = min(PREFIX_CACHE_DEFAULT_MAX, max(0, available - required(max_model_len, max_batch)))
     return MemoryPlan(
         model=model,
         max_model_len=max_model_len,
@@ -238,6 +257,8 @@ def plan_memory(
         largest_max_model_len=longest,
         largest_batch=widest,
         mesh="1 device" if mesh is None else f"mesh {mesh} ({mesh.size} devices)",
+        prefix_cache=prefix_cache,
+        prefix_cache_auto=prefix_cache_bytes is None,
     )
 
 

@@ -222,6 +222,8 @@ class ServerState:
             payload.update(max_model_len=self.engine.max_model_len,
                            slots={"total": stats.slots_total, "in_use": stats.slots_in_use},
                            requests={"running": stats.running, "waiting": stats.waiting})
+            if stats.prefix_cache is not None:  # the budget and its use now (the static facts are in info)
+                payload["prefix_cache"] = {**(payload.get("prefix_cache") or {}), **stats.prefix_cache}
         return payload
 
 

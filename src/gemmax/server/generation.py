@@ -264,7 +264,7 @@ class Job:
                         prompt_ids=tuple(prompt.ids), max_tokens=room if wanted is None else wanted,
                         sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
-                        constraint=constraint,
+                        constraint=constraint, cache_salt=req.cache_salt,
                     )
                     handle = engine.submit(gen, loop)
                     self.choices.append(Choice(
@@ -320,6 +320,17 @@ class Job:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt as prompt_tokens are:
+        per prompt, the fewest any of its choices had (each choice is its own engine request)."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            cached = c.result.cached_tokens if c.result is not None else 0
+            key = id(c.prompt)
+            per_prompt[key] = min(per_prompt.get(key, cached), cached)
+        return sum(per_prompt.values())
+
     def usage(self) -> dict[str, Any]:
         """OpenAI usage plus the engine's timings, full precision. One choice: its own figures. Several:
         seconds are the slowest choice's, bucket and pad tokens are summed, decode speed is all
@@ -336,7 +347,7 @@ class Job:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "decode_tokens_per_second": tps,
             "time_to_first_token_seconds": max((t.time_to_first_token_seconds for t in timings), default=0.0),
             "prefill_seconds": max((t.prefill_seconds for t in timings), default=0.0),

@@ -68,6 +68,7 @@ class SamplingFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: exactly one of json, regex, choice, grammar
+    cache_salt: str | None = None  # vLLM extra: only requests with the same salt share cached prompt KV
     _constraint: dict[str, str] | None = PrivateAttr(default=None)
 
     @field_validator("stop")
