@@ -241,6 +241,19 @@ def fit(
         raise typer.Exit(1)
 
 
+def _speculation(method: str, k: int):
+    """--speculative / --spec-k -> the engine's `speculation` (None: off)."""
+    from gemmax.engine.api import SPEC_KS, Speculation
+
+    if method not in ("off", "ngram", "on-request"):
+        raise typer.BadParameter(f"--speculative must be off, ngram or on-request, got {method!r}")
+    if k not in SPEC_KS:
+        raise typer.BadParameter(f"--spec-k must be one of {', '.join(map(str, SPEC_KS))}, got {k}")
+    if method == "off":
+        return None
+    return Speculation("ngram" if method == "ngram" else "off", k)
+
+
 @app.command()
 @with_quant_options
 def serve(
@@ -258,6 +271,8 @@ def serve(
     max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
+    speculative: str = typer.Option("off", help="speculative decoding (docs/speculative.md): off; ngram (prompt lookup for every request that does not opt out); on-request (only requests with the `speculative` extra)"),
+    spec_k: int = typer.Option(4, help="tokens proposed per verify step by default: 2, 4 or 8"),
     log_level: str = typer.Option("info"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     quant=None,
@@ -267,6 +282,7 @@ def serve(
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
     spec = _mesh_spec(mesh)
+    speculation = _speculation(speculative, spec_k)
     from gemmax.server.app import ServerSettings
     from gemmax.server.serve import serve as run_server
 
@@ -282,7 +298,7 @@ def serve(
         from gemmax.engine.loading import start_engine
 
         return start_engine(model, dtype, quant, mesh=spec, max_model_len=max_model_len, max_batch=max_batch,
-                            max_queue=max_queue or None, batch_invariant=batch_invariant)
+                            max_queue=max_queue or None, batch_invariant=batch_invariant, speculation=speculation)
 
     raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
 
