@@ -195,6 +195,7 @@ def fit(
     prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: the engine's largest bucket)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
+    speculative: bool = typer.Option(False, "--speculative", help="plan for `serve --speculative`: sliding rings with 8 slots of slack (docs/speculative.md)"),
     table: bool = typer.Option(False, "--table", help="for E2B, E4B, 31B and 26B-A4B on common accelerators: the smallest mesh serving 8 slots x 8,192 tokens (bf16) and the largest batch / context there"),
     quant=None,
 ) -> None:
@@ -203,6 +204,7 @@ def fit(
     max_model_len / batch that fit."""
     import jax.numpy as jnp
 
+    from gemmax.engine.api import SPEC_KS
     from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -231,6 +233,7 @@ def fit(
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
                        prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
+                       ring_slack=max(SPEC_KS) if speculative else 0,
                        weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:
