@@ -72,7 +72,8 @@ def main() -> int:
                          speculation=Speculation("off", args.k)).start()
     engine.wait_ready(3600)
     workloads = {"copy ~500-token text": COPY, "free-form": FREE}
-    prompts = {name: tuple(loaded.tokenizer.encode(text)) for name, text in workloads.items()}
+    tokenizer = loaded.tokenizer
+    prompts = {name: tuple(tokenizer.encode(text)) for name, text in workloads.items()}
     modes = {"plain": Speculation("off"), f"ngram k={args.k}": Speculation("ngram", args.k)}
     for prompt in prompts.values():  # one untimed run of each, so nothing below compiles
         for spec in modes.values():
@@ -103,6 +104,7 @@ def main() -> int:
         steps = sum(lengths[w])
         mean = sum(n * c for n, c in enumerate(lengths[w])) / steps if steps else 0.0
         print(f"{'':24} accepted proposals per verify step: {lengths[w]} (mean {mean:.2f}); output identical")
+        print(f"{'':24} output: {tokenizer.decode(list(outputs[w]))[:160]!r}")
         summary[f"{w} / accepted_lengths"] = lengths[w]
     print(json.dumps({"benchmark": "speculative", "tokens": tokens, "rounds": rounds, "k": args.k,
                       "identical_output": True, **summary}))

@@ -251,3 +251,27 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
             assert refused.value.status_code == 400
             if param:
                 assert refused.value.body["param"] == param
+
+
+@pytest.fixture(scope="module")
+def builtin_engine():
+    loaded = load_model(None, "float32")  # the built-in Gemma 3 270M
+    eng = BatchEngine(loaded, max_model_len=256, max_batch=1, buckets=(64,), steps_per_dispatch=4,
+                      speculation=PLAIN).start()
+    assert eng.wait_ready(900)
+    yield eng, loaded.tokenizer
+    eng.shutdown(drain_timeout=5)
+
+
+def test_builtin_model_greedy_speculative_equals_plain(builtin_engine):
+    """The real model on a copying prompt, where prompt lookup's proposals are often right: k = 2, 4
+    and 8 each give the plain tokens, with proposals kept."""
+    engine, tokenizer = builtin_engine
+    text = ("The keeper wound the clock every four hours, wrote the weather in the log three times a day, "
+            "and polished the brass lens until it shone.")
+    prompt = tokenizer.encode(f"Copy this sentence twice.\nSentence: {text}\nCopy 1: {text}\nCopy 2:")
+    reference = _run(engine, prompt, 48, PLAIN).wait().token_ids
+    for k in SPEC_KS:
+        result = _run(engine, prompt, 48, Speculation("ngram", k)).wait()
+        assert result.token_ids == reference, f"k={k}"
+        assert result.speculation.accepted > 0, result.speculation
