@@ -47,7 +47,7 @@ TEXT = (
     "many of them the children and grandchildren of the keepers, who tell visitors the stories they grew up "
     "with and keep the brass polished as their parents did."
 )
-COPY = f"Rewrite the following text exactly as it is, word for word.\n\nText:\n{TEXT}\n\nRewritten text:\n"
+COPY = f"Rewrite the following text exactly as it is, word for word.\n\n{TEXT}"
 FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -73,7 +73,9 @@ def main() -> int:
     engine.wait_ready(3600)
     workloads = {"copy ~500-token text": COPY, "free-form": FREE}
     tokenizer = loaded.tokenizer
-    prompts = {name: tuple(tokenizer.encode(text)) for name, text in workloads.items()}
+    # as a chat client sends them (the built-in model is instruction-tuned)
+    prompts = {name: tuple(tokenizer.encode_chat([{"role": "user", "content": text}]))
+               for name, text in workloads.items()}
     modes = {"plain": Speculation("off"), f"ngram k={args.k}": Speculation("ngram", args.k)}
     for prompt in prompts.values():  # one untimed run of each, so nothing below compiles
         for spec in modes.values():
