@@ -12,6 +12,8 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
+    verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
+                      proposal length k in SPEC_KS: one step scores k proposed tokens per row
     x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len), and
                       each prefill shape per bucket its chunk start can need: a step reads only the
                       cache slots its context can use (full layers; rings not yet wrapped)
@@ -29,6 +31,10 @@ frees the slots of finished or cancelled requests at once.
 Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
 calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
 (gemmax.engine.schedule).
+
+Speculative decoding (`speculation`, docs/speculative.md): when a running request speculates and its
+proposer has tokens to offer, the dispatch is one verify step of the decode group instead
+(`_speculative_dispatch`); rows without proposals take one token from it as from a decode step.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import numpy as np
 
 from gemmax.engine import compile_cache
 from gemmax.engine.api import (
+    SPEC_KS,
     Admission,
     EngineNotReady,
     EngineStats,
@@ -58,6 +65,7 @@ from gemmax.engine.api import (
     InvalidRequest,
     RequestHandle,
     RequestTimings,
+    Speculation,
     TokenEvent,
     validate_request,
 )
@@ -68,6 +76,7 @@ from gemmax.engine.prefix_cache import PrefixCache
 from gemmax.engine.sampling import row_values
 from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
 from gemmax.engine.shapes import ShapePlan, plan_chunks
+from gemmax.engine.speculative import RequestSpeculation
 from gemmax.engine.steps import (
     DeviceState,
     decode_forward,
@@ -77,6 +86,7 @@ from gemmax.engine.steps import (
     init_device_state,
     prefill_step,
     set_sampling_row,
+    verify_rows,
 )
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
@@ -117,6 +127,7 @@ class _Slot:
     cached_tokens: int = 0  # prompt tokens copied from the prefix cache, not prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None  # llguidance matcher of a constrained request (gemmax.engine.constraints)
+    speculation: RequestSpeculation | None = None  # made by its first decode dispatch, if it speculates
 
 
 class BatchEngine:
@@ -125,13 +136,23 @@ class BatchEngine:
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
-                 batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0):
+                 batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0,
+                 speculation: Speculation | None = None):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
+        if speculation is not None and (mesh is not None or batch_invariant):
+            raise ValueError("--speculative runs on one device without --batch-invariant: it cannot be combined "
+                             "with --mesh or --batch-invariant")
         if mesh is not None:  # prefix caching runs on one device (its copies are not compiled for a mesh)
             if prefix_cache_bytes:
                 raise ValueError("prefix caching runs on one device: give --prefix-cache-bytes 0 with --mesh")
             prefix_cache_bytes = 0
+        # Speculative decoding: None (off: no verify shapes, plain rings), or the default of requests
+        # that do not choose (method "off": only requests that ask speculate). Rings get k_max slots
+        # of slack (gemmax.model.kv_cache), shown in the memory plan.
+        self.speculation = speculation
+        self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
+        self.ring_slack = max(self.spec_ks, default=0)
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -144,13 +165,15 @@ class BatchEngine:
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
-            mesh=mesh, prefix_cache_bytes=prefix_cache_bytes))
+            mesh=mesh, prefix_cache_bytes=prefix_cache_bytes,
+            ring_slack=self.ring_slack))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
         self.steps = types.SimpleNamespace(prefill_step=prefill_step, decode_step=decode_step,
                                            decode_rows=decode_rows, decode_forward=decode_forward,
-                                           decode_sample=decode_sample, init_device_state=init_device_state)
+                                           decode_sample=decode_sample, verify_rows=verify_rows,
+                                           init_device_state=init_device_state)
         self.mesh = None
         if mesh is not None:
             check_mesh(mesh, self.config, max_batch)
@@ -240,13 +263,18 @@ class BatchEngine:
             "decode_groups": list(self.shapes.decode_groups),
             "kv_buckets": list(self.shapes.kv_buckets),
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
+            "speculative": None if self.speculation is None else {
+                "default": dataclasses.asdict(self.speculation), "k": list(self.spec_ks), "ring_slack": self.ring_slack},
             "warmup": self.warmup_report,
         }
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
-        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
+        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+                         spec_ks=self.spec_ks)
+        if request.speculative is None and self.speculation is not None:  # the engine's default
+            request = dataclasses.replace(request, speculative=self.speculation)
         if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
             raise InvalidRequest(request.constraint.param, "constrained output is not served across processes "
                                  "yet (docs/mesh.md): serve it from one process", "unsupported")
@@ -319,7 +347,9 @@ class BatchEngine:
 
     @_replayed
     def _init_device_state(self) -> None:
-        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
+        slack = (self.ring_slack,) if self.ring_slack else ()  # the mesh's init takes none (no speculation there)
+        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
+                                                   *slack)
         self.want_logprobs[:] = False
 
     def _init_prefix_cache(self) -> None:
@@ -350,6 +380,9 @@ class BatchEngine:
             for size, kv_len in self.shapes.decode_shapes:  # all rows idle: nothing is written
                 self._dispatch_decode(1, self.want_logprobs,
                                       None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
+                for k in self.spec_ks:
+                    self._dispatch_verify(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
+                                          np.zeros(size, np.int32), kv_len)
             # Measured on CPU (built-in model): without this second round, the first real request's
             # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
             # a second run of each prefill shape removes it (the cause was not found).
@@ -358,7 +391,7 @@ class BatchEngine:
             seconds = time.perf_counter() - started
         self._init_device_state()
         self._init_prefix_cache()
-        shapes = len(prefills) + len(self.shapes.decode_shapes)
+        shapes = len(prefills) + len(self.shapes.decode_shapes) * (1 + len(self.spec_ks))
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
@@ -454,6 +487,15 @@ class BatchEngine:
             if n + 1 < steps:
                 logits = self._forward(group, kv_len)
             self._deliver(out, slot_of)
+
+    def _dispatch_verify(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray, kv_len: int):
+        """Enqueue one verify step of the group `rows` (steps.verify_rows); its outputs per row of `rows`,
+        as device arrays. `kv_len` must cover every active row's position + k + 1."""
+        self.device, out = self.steps.verify_rows(self.params, self.device, jnp.asarray(self.want_logprobs),
+                                                  jnp.asarray(rows, jnp.int32), jnp.asarray(proposals, jnp.int32),
+                                                  jnp.asarray(num_proposed, jnp.int32), config=self.config,
+                                                  precision=self.precision, kv_len=kv_len)
+        return out
 
     def _decode_group(self) -> np.ndarray | None:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
@@ -620,11 +662,14 @@ class BatchEngine:
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
         slot_of = range(self.max_batch) if rows is None else rows
+        constrained = any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of)
+        if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
+            return
         steps = self.steps_per_dispatch
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
         kv_len = self.shapes.kv_bound(furthest)
-        if any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of):
+        if constrained:
             self._decode_constrained(steps, rows, slot_of, kv_len)
         else:  # the mask-free step: no row waits for the host's masks
             for out in self._dispatch_decode(steps, self.want_logprobs, rows, kv_len):
@@ -643,6 +688,50 @@ class BatchEngine:
             except Exception as exc:  # delivering this request's token failed: end it alone
                 log.exception("request %s failed", self._slots[i].handle.request_id)
                 self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _speculative_dispatch(self, slot_of) -> bool:
+        """One verify step of the group `slot_of` when some row in it speculates and has proposals;
+        returns False (nothing done) when none has. Its tokens are taken one by one through
+        `_accept`, so stop ids, min_tokens, max_tokens and streaming behave as in plain decoding (a
+        stop id among the accepted tokens ends the request there)."""
+        proposals: dict[int, np.ndarray] = {}
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is None or not _speculates(slot.request):
+                continue
+            if slot.speculation is None:
+                slot.speculation = RequestSpeculation(slot.request.speculative.method, slot.request.speculative.k)
+            context = np.asarray((*slot.request.prompt_ids, *slot.tokens), np.int32)
+            owed = slot.budget - len(slot.tokens)
+            proposed = slot.speculation.propose(context, len(slot.tokens))[: owed - 1]
+            if len(proposed):
+                proposals[j] = proposed
+        if not proposals:
+            return False
+        k = next(k for k in self.spec_ks if k >= max(len(p) for p in proposals.values()))
+        table, counts = np.zeros((len(slot_of), k), np.int32), np.zeros(len(slot_of), np.int32)
+        for j, proposed in proposals.items():
+            table[j, : len(proposed)], counts[j] = proposed, len(proposed)
+        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + k + 1
+        out = self._dispatch_verify(np.asarray(slot_of, np.int32), table, counts, self.shapes.kv_bound(furthest))
+        drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
+        now = time.perf_counter()
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is None or not active[j]:
+                continue
+            if j in proposals:
+                slot.speculation.observe(int(counts[j]), int(accepted[j]), len(slot.tokens) + int(accepted[j]) + 1)
+            for t in range(int(accepted[j]) + 1):  # only a row's first token can carry logprobs (no proposals)
+                try:
+                    if not self._accept(i, int(drawn[j, t]), float(lps[j]), top_ids[j], top_lps[j], now):
+                        break
+                except Exception as exc:  # delivering this request's token failed: end it alone
+                    log.exception("request %s failed", self._slots[i].handle.request_id)
+                    self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+                    break
+        self._reap_cancelled()
+        return True
 
     def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
         """Take one generated token for slot i; returns True if the request goes on."""
@@ -699,7 +788,8 @@ class BatchEngine:
         slot.handle.finish(GenerationResult(
             token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
             timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error,
-            cached_tokens=slot.cached_tokens))
+            cached_tokens=slot.cached_tokens,
+            speculation=None if slot.speculation is None else slot.speculation.stats()))
 
     def _finish_unstarted(self, handle: RequestHandle, submitted: float, reason: str = "cancelled",
                           error: str | None = None) -> None:
@@ -726,3 +816,12 @@ class BatchEngine:
                 self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
         self._init_device_state()
         self._init_prefix_cache()  # its pool may have gone with a failed copy
+
+
+def _speculates(request: GenerationRequest) -> bool:
+    """Whether a request decodes speculatively: it asks (or the engine's default does, resolved at
+    submit) and nothing in it needs a token-by-token step: logprobs, a constraint or penalties (the
+    verify step draws proposed positions without penalties) make it decode plainly."""
+    spec, s = request.speculative, request.sampling
+    return (spec is not None and spec.method != "off" and request.logprobs is None and request.constraint is None
+            and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)

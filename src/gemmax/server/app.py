@@ -195,6 +195,12 @@ class ServerState:
             m.queue.observe(t.queue_seconds)
             m.decode_tokens.inc(max(len(choice.token_ids) - 1, 0))
             m.decode_seconds.inc(t.decode_seconds)
+            if result.speculation is not None:
+                m.spec_proposed_tokens.inc(result.speculation.proposed)
+                m.spec_accepted_tokens.inc(result.speculation.accepted)
+                for accepted, steps in enumerate(result.speculation.accepted_lengths):
+                    for _ in range(steps):
+                        m.spec_accepted.observe(accepted)
             if len(choice.token_ids) > 1:
                 m.last_decode_tps.set(t.decode_tokens_per_second)
             if t.uncompiled_shape:

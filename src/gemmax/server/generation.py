@@ -32,6 +32,8 @@ from gemmax.engine.api import (
     QueueFull,
     RequestHandle,
     SamplingParams,
+    Speculation,
+    SpeculationStats,
     TokenEvent,
     check_token_ids,
 )
@@ -136,6 +138,19 @@ def completion_prompts(tokenizer, request: CompletionRequest, vocab_size: int | 
             text = tokenizer.decode(item, skip_special_tokens=False) if tokenizer is not None else None
             prompts.append(Prompt(list(item), text))
     return prompts
+
+
+def speculative_usage(stats: list[SpeculationStats]) -> dict[str, Any] | None:
+    """The speculation of a request's choices summed (None: none speculated): verify steps, tokens
+    proposed and accepted, and `accepted_lengths[n]`, the verify steps that accepted n proposals."""
+    if not stats:
+        return None
+    lengths = [0] * max(len(s.accepted_lengths) for s in stats)
+    for s in stats:
+        for n, count in enumerate(s.accepted_lengths):
+            lengths[n] += count
+    return {"steps": sum(s.steps for s in stats), "proposed_tokens": sum(s.proposed for s in stats),
+            "accepted_tokens": sum(s.accepted for s in stats), "accepted_lengths": lengths}
 
 
 def sampling_params(request: SamplingFields, seed: int | None) -> SamplingParams:
@@ -265,6 +280,7 @@ class Job:
                         sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
                         constraint=constraint, cache_salt=req.cache_salt,
+                        speculative=None if req.speculative is None else Speculation(**req.speculative),
                     )
                     handle = engine.submit(gen, loop)
                     self.choices.append(Choice(
@@ -357,6 +373,7 @@ class Job:
             "pad_tokens": sum(t.pad_tokens for t in timings),
             "uncompiled_shape": any(t.uncompiled_shape for t in timings),
             "degenerate": any(r.degeneracy.degenerate for r in results),
+            "speculative": speculative_usage([r.speculation for r in results if r.speculation is not None]),
         }
 
     def header(self, obj: str) -> dict[str, Any]:

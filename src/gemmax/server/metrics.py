@@ -99,6 +99,13 @@ class ServerMetrics:
                                   "flagged", registry=r)
         self.uncompiled = Counter("gemmax:uncompiled_shape_requests", "requests that hit a shape outside the "
                                   "warmed set", registry=r)
+        self.spec_accepted = Histogram("gemmax:spec_accepted_per_step", "proposals accepted per speculative "
+                                       "verify step (each step also yields the target's own next token)",
+                                       buckets=tuple(range(9)), registry=r)
+        self.spec_proposed_tokens = Counter("gemmax:spec_proposed_tokens", "tokens proposed to speculative "
+                                            "verify steps", registry=r)
+        self.spec_accepted_tokens = Counter("gemmax:spec_accepted_tokens", "proposed tokens accepted",
+                                            registry=r)
         r.register(EngineCollector(get_engine))
 
     def render(self) -> bytes:
