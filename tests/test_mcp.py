@@ -275,14 +275,15 @@ async def test_verify_device_and_fit_check(state, checkpoint):
                                                       "max_batch": 2, "device_memory_gib": 1.0}))
         expected = plan_memory(open_source(str(checkpoint), weights=False).config, 128, 2, GiB, weight_dtype=policy.weight_dtype,
                                kv_dtype=DTYPES[policy.kv_cache], activation_dtype=DTYPES[policy.activations],
-                               prefill_tokens=policy.prefill_buckets[-1], model=str(checkpoint))
+                               prefill_tokens=policy.prefill_buckets[-1], model=str(checkpoint),
+                               prefix_cache_bytes=None)  # fit's default, as serve's
         # the memory plan's own fields, plus `gemmax fit`'s quantisation summary
         assert {k: v for k, v in fit["plan"].items() if k in expected.as_dict()} == expected.as_dict()
         assert fit["fits"] is True and fit["plan"]["quant"] == "none"
         assert fit["plan"]["weight_bytes_by_option"]["none"] == expected.weights
         assert fit["explanation"] == expected.explain()
         plan = fit["plan"]
-        assert plan["required"] == plan["weights"] + plan["kv_cache"] + plan["workspace"]
+        assert plan["required"] == plan["weights"] + plan["kv_cache"] + plan["workspace"] + plan["prefix_cache"]
 
         tight = ok(await client.call_tool("fit_check", {"model": str(checkpoint), "max_model_len": 128,
                                                         "max_batch": 2, "device_memory_gib": 0.0005}))

@@ -231,3 +231,25 @@ def test_fit_counts_the_kv_bytes_the_engine_allocates(hf, kv_dtype, tmp_path):
     device = jax.eval_shape(lambda: init_device_state(config, slots, max_len, Precision(jnp.float32, jnp.dtype(kv_dtype))))
     allocated = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(device.cache))
     assert plan["kv_cache"] == allocated and plan["kv_dtype"] == kv_dtype
+
+
+def test_fit_counts_the_prefix_cache(tmp_path):
+    """By default the prefix cache takes what the plan leaves free, at most 1 GiB (it never makes a
+    plan fail); an explicit budget counts in full and can; 0 turns it off."""
+    (tmp_path / "config.json").write_text(json.dumps(E2B_TEXT_CONFIG))
+    runner = CliRunner()
+
+    def plan(*extra):
+        out = runner.invoke(app, ["fit", "--model", str(tmp_path), "--max-model-len", "4096", "--max-batch", "2",
+                                  "--kv-dtype", "bfloat16", "--json", *extra])
+        return out.exit_code, json.loads(out.output)
+
+    code, roomy = plan("--device-memory-gib", "24")
+    assert code == 0 and roomy["prefix_cache"] == GiB and roomy["prefix_cache_auto"]
+    assert roomy["required"] == roomy["weights"] + roomy["kv_cache"] + roomy["workspace"] + GiB
+    code, tight = plan("--device-memory-gib", "10")
+    free = tight["available"] - (tight["weights"] + tight["kv_cache"] + tight["workspace"])
+    assert code == 0 and 0 < tight["prefix_cache"] == free < GiB
+    code, explicit = plan("--device-memory-gib", "10", "--prefix-cache-bytes", str(2 * GiB))
+    assert code == 1 and not explicit["fits"] and explicit["prefix_cache"] == 2 * GiB
+    assert plan("--device-memory-gib", "24", "--prefix-cache-bytes", "0")[1]["prefix_cache"] == 0

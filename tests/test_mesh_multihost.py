@@ -114,6 +114,11 @@ def test_serve_across_two_processes_answers_from_process_0_with_one_process_toke
             got = list(pool.map(complete, REQUESTS))
         assert [ids for ids, _ in got] == expected
         assert all(reason == "length" for _, reason in got)
+        # constrained decoding's split step is not replayed: refused with a 400, and nothing else is hurt
+        with pytest.raises(openai.BadRequestError, match="not served across processes"):
+            client.completions.create(model=str(directory), prompt=REQUESTS[0][0], max_tokens=4,
+                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert complete(REQUESTS[0]) == got[0]
         procs[0].send_signal(signal.SIGTERM)
         assert [p.wait(timeout=60) for p in procs] == [0, 0], tails()
         assert "device calls replayed" in (tmp_path / "process1.log").read_text()

@@ -12,6 +12,9 @@ longer timeout than the suite's 600 s.
   (checked with Python's own parser).
 - A constraint the model cannot finish within max_tokens ends with "length".
 - Malformed constraints are refused by validate_request.
+- Prefix caching over the wire (the engine keeps 64 MiB of prompt KV): a second chat turn and a
+  repeated completions prompt reuse cached blocks, say so in usage and /metrics, and answer exactly
+  as the same request prefilled from scratch (its own cache_salt).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ PROMPT = "Here is the record as JSON:\n"
 def engine(tmp_path_factory):
     loaded = load_model(None, "float32")
     eng = BatchEngine(loaded, max_model_len=512, max_batch=8, buckets=(64,), steps_per_dispatch=4,
-                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")))
+                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")), prefix_cache_bytes=64 << 20)
     # Full-batch decode steps only (no smaller groups): a quarter of the compiled decode shapes, free
     # and masked. Free rows are still compared alone (7 idle neighbours) against constrained neighbours;
     # the masked small-group step runs in tests/test_tool_calls_thinking.py and the benchmark.
@@ -263,3 +266,42 @@ def test_response_format_and_structured_outputs(client):
         client.completions.create(model="builtin", prompt="x", max_tokens=4,
                                   extra_body={"structured_outputs": {"regex": "[a-"}})
     assert info.value.body["param"] == "structured_outputs.regex"
+
+
+def test_prefix_cache_over_the_wire(engine, client):
+    import httpx
+
+    from fake_engine import read_metric
+
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    block = engine[0].prefix_cache.block
+    facts = " ".join(f"Fact {i}: {i} squared is {i * i}." for i in range(24))
+    turn1 = [{"role": "user", "content": f"Remember these facts. {facts} What is 3 squared?"}]
+    first = client.chat.completions.create(model="builtin", messages=turn1, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.prompt_tokens > 2 * block
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And 5 squared?"}]
+    second = client.chat.completions.create(model="builtin", messages=turn2, max_tokens=12, temperature=0)
+    fresh = client.chat.completions.create(model="builtin", messages=turn2, max_tokens=12, temperature=0,
+                                           extra_body={"cache_salt": "fresh"})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message.content == fresh.choices[0].message.content
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # the first turn's full blocks (one may end where the reply's text retokenizes differently)
+    assert cached % block == 0 and (first.usage.prompt_tokens // block - 1) * block <= cached < first.usage.prompt_tokens
+
+    # token-id prompts: exact block arithmetic; the streamed usage carries it too
+    ids = list(httpx.post(f"{url}/tokenize", json={"prompt": facts}).json()["tokens"])[: 3 * block + 5]
+    plain = client.completions.create(model="builtin", prompt=ids + [235265], max_tokens=6, temperature=0,
+                                      extra_body={"cache_salt": "ids"})
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    again = list(client.completions.create(model="builtin", prompt=ids + [235265], max_tokens=6, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"cache_salt": "ids"}))
+    assert again[-1].usage.prompt_tokens_details.cached_tokens == 3 * block
+    assert "".join(c.choices[0].text for c in again if c.choices) == plain.choices[0].text
+
+    assert read_metric(url, "gemmax:prefix_cache_hits_total") >= 2
+    assert read_metric(url, "gemmax:prefix_cache_cached_tokens_total") >= cached + 3 * block
+    health = httpx.get(f"{url}/health").json()["prefix_cache"]
+    assert health["budget_bytes"] == 64 << 20 and 0 < health["used_bytes"] <= health["budget_bytes"]

@@ -204,8 +204,10 @@ def fit(
     dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (device policy), float32, bfloat16, float16"),
     prefill_tokens: int = typer.Option(None, min=1, help="largest prefill chunk (default: the engine's largest bucket)"),
+    prefix_cache_bytes: int = typer.Option(None, min=0, help="prefix cache budget, bytes, as serve's (default: free memory, at most 1 GiB; none with --mesh; 0: off)"),
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
+    speculative: bool = typer.Option(False, "--speculative", help="plan for `serve --speculative`: sliding rings with 8 slots of slack (docs/speculative.md)"),
     table: bool = typer.Option(False, "--table", help="for E2B, E4B, 31B and 26B-A4B on common accelerators: the smallest mesh serving 8 slots x 8,192 tokens (bf16) and the largest batch / context there"),
     quant=None,
 ) -> None:
@@ -214,6 +216,7 @@ def fit(
     max_model_len / batch that fit."""
     import jax.numpy as jnp
 
+    from gemmax.engine.api import SPEC_KS
     from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy
 
@@ -242,7 +245,9 @@ def fit(
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
                        prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
-                       weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None)
+                       ring_slack=max(SPEC_KS) if speculative else 0,
+                       weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None,
+                       prefix_cache_bytes=0 if spec is not None else prefix_cache_bytes)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
     if json_output:
         typer.echo(json.dumps({**plan.as_dict(), "quant": quant.label, "weight_bytes_by_option": by_option}))
@@ -250,6 +255,19 @@ def fit(
         typer.echo(plan.explain() + f"\n  quantisation: {quant.label}\n" + format_weight_bytes(by_option, p.weight_dtype))
     if not plan.fits:
         raise typer.Exit(1)
+
+
+def _speculation(method: str, k: int):
+    """--speculative / --spec-k -> the engine's `speculation` (None: off)."""
+    from gemmax.engine.api import SPEC_KS, Speculation
+
+    if method not in ("off", "ngram", "on-request"):
+        raise typer.BadParameter(f"--speculative must be off, ngram or on-request, got {method!r}")
+    if k not in SPEC_KS:
+        raise typer.BadParameter(f"--spec-k must be one of {', '.join(map(str, SPEC_KS))}, got {k}")
+    if method == "off":
+        return None
+    return Speculation("ngram" if method == "ngram" else "off", k)
 
 
 @app.command()
@@ -268,7 +286,10 @@ def serve(
     max_queue: int = typer.Option(256, min=0, help="requests that may wait for a slot (0: no bound); beyond: 503 with Retry-After"),
     max_choices: int = typer.Option(64, min=1, help="prompts x n in one request at most"),
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
+    prefix_cache_bytes: int = typer.Option(None, min=0, help="device bytes kept for the KV of prompt prefixes that later requests reuse (LRU; default: the memory plan's free bytes, at most 1 GiB; 0: off; not with --mesh; docs/server.md)"),
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
+    speculative: str = typer.Option("off", help="speculative decoding (docs/speculative.md): off; ngram (prompt lookup for every request that does not opt out); on-request (only requests with the `speculative` extra)"),
+    spec_k: int = typer.Option(4, help="tokens proposed per verify step by default: 2, 4 or 8"),
     log_level: str = typer.Option("info"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     coordinator: str = typer.Option(None, help=_COORDINATOR_HELP),
@@ -283,8 +304,10 @@ def serve(
     spec = _mesh_spec(mesh)
     if batch_invariant and spec is not None:  # refused before anything loads
         raise typer.BadParameter("--batch-invariant decodes row by row on one device: it cannot be combined with --mesh")
+    speculation = _speculation(speculative, spec_k)
     engine_options = dict(max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, speculation=speculation,
+                          prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only
     if _join_processes(spec, coordinator, num_processes, process_id):
         import jax
 

@@ -90,6 +90,30 @@ class Constraint:
     param: str | None = None
 
 
+SPECULATIVE_METHODS = ("ngram", "off")  # prompt lookup; or plain decoding for this request
+SPEC_KS = (2, 4, 8)  # proposed tokens per verify step: one compiled verify shape each
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding of one request (gemmax.engine.speculative): `method` "ngram" (prompt
+    lookup) or "off", at most `k` proposed tokens per verify step."""
+
+    method: str = "ngram"
+    k: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationStats:
+    """What speculation did for one request: verify steps, tokens proposed and accepted, and how many
+    verify steps accepted 0, 1, 2 ... proposals (`accepted_lengths[n]`)."""
+
+    steps: int
+    proposed: int
+    accepted: int
+    accepted_lengths: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -103,6 +127,8 @@ class GenerationRequest:
     # over max_model_len is refused (the OpenAI API's rule for an explicit max_tokens).
     fit_to_context: bool = True
     constraint: Constraint | None = None  # None: free output
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV
+    speculative: Speculation | None = None  # None: the engine's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +167,8 @@ class GenerationResult:
     degeneracy: DegeneracyVerdict
     stop_token_id: int | None = None  # the eos / stop id that ended it (not part of token_ids)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
+    speculation: SpeculationStats | None = None  # None: decoded plainly throughout
 
     @property
     def completion_tokens(self) -> int:
@@ -153,6 +181,8 @@ class EngineStats:
     waiting: int
     slots_in_use: int
     slots_total: int
+    # Prefix cache counters and bytes (gemmax.engine.prefix_cache.PrefixCache.stats); None when off.
+    prefix_cache: dict[str, int] | None = None
 
 
 _END = object()
@@ -291,10 +321,12 @@ def check_token_ids(param: str, ids: Any, vocab_size: int) -> None:
             raise InvalidRequest(param, f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_size: int) -> None:
+def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_size: int,
+                     spec_ks: tuple[int, ...] = ()) -> None:
     """Refuse, with the offending parameter, anything the engine cannot serve exactly as asked. The
     only request validation there is: BatchEngine.submit and the tests' fake engine both call it,
-    and the server maps what it raises to HTTP."""
+    and the server maps what it raises to HTTP. `spec_ks`: the proposal lengths the engine compiled a
+    verify step for (empty: no speculative decoding)."""
     prompt = request.prompt_ids
     if not prompt:
         raise InvalidRequest("prompt", "prompt is empty")
@@ -315,6 +347,8 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}")
     check_token_ids("stop_token_ids", request.stop_token_ids, vocab_size)
+    if request.cache_salt is not None and (not isinstance(request.cache_salt, str) or not request.cache_salt):
+        raise InvalidRequest("cache_salt", f"must be a non-empty string, got {request.cache_salt!r}")
     if request.logprobs is not None:
         _integer("logprobs", request.logprobs, 0, MAX_LOGPROBS)
     s = request.sampling
@@ -336,6 +370,18 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
         error = check(request.constraint)
         if error:
             raise InvalidRequest(request.constraint.param, error, "invalid_constraint")
+    if request.speculative is not None:
+        spec = request.speculative
+        if spec.method not in SPECULATIVE_METHODS:
+            raise InvalidRequest("speculative.method", f"must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                                 f"got {spec.method!r}")
+        if spec.method != "off":
+            if not spec_ks:
+                raise InvalidRequest("speculative", "this server runs without speculative decoding: start it with "
+                                     "--speculative ngram (or on-request) to use it")
+            if isinstance(spec.k, bool) or not isinstance(spec.k, int) or spec.k not in spec_ks:
+                raise InvalidRequest("speculative.k", f"must be one of {', '.join(map(str, spec_ks))} (the "
+                                     f"compiled proposal lengths), got {spec.k!r}")
 
 
 class Admission:

@@ -6,12 +6,21 @@ compiled shapes are a small declared set, all compiled by `warm_up` before the e
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
+    prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
+                      the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
+                      per block-count bucket, compiled on first use, not at warm-up)
     decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
     decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
                       requests are running: a decode step's cost grows with its batch
+    verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
+                      proposal length k in SPEC_KS: one step scores k proposed tokens per row
     x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len), and
                       each prefill shape per bucket its chunk start can need: a step reads only the
                       cache slots its context can use (full layers; rings not yet wrapped)
+
+While a constrained request runs, each decode step is two dispatches (`decode_forward` per decode
+shape, `decode_sample` per group; `_decode_constrained`): these shapes, and the masked prefill,
+compile on first use, not in warm-up (`_constrained_report`, docs/structured.md).
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches, then enqueues
@@ -22,6 +31,10 @@ frees the slots of finished or cancelled requests at once.
 Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
 calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
 (gemmax.engine.schedule).
+
+Speculative decoding (`speculation`, docs/speculative.md): when a running request speculates and its
+proposer has tokens to offer, the dispatch is one verify step of the decode group instead
+(`_speculative_dispatch`); rows without proposals take one token from it as from a decode step.
 """
 
 from __future__ import annotations
@@ -43,29 +56,37 @@ import numpy as np
 
 from gemmax.engine import compile_cache
 from gemmax.engine.api import (
+    SPEC_KS,
     Admission,
     EngineNotReady,
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    InvalidRequest,
     RequestHandle,
     RequestTimings,
+    Speculation,
     TokenEvent,
     validate_request,
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
+from gemmax.engine.prefix_cache import PrefixCache
 from gemmax.engine.sampling import row_values
 from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
 from gemmax.engine.shapes import ShapePlan, plan_chunks
+from gemmax.engine.speculative import RequestSpeculation
 from gemmax.engine.steps import (
     DeviceState,
+    decode_forward,
     decode_rows,
+    decode_sample,
     decode_step,
     init_device_state,
     prefill_step,
     set_sampling_row,
+    verify_rows,
 )
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
@@ -103,8 +124,10 @@ class _Slot:
     bucket_total: int = 0
     pad_tokens: int = 0
     uncompiled: bool = False
+    cached_tokens: int = 0  # prompt tokens copied from the prefix cache, not prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None  # llguidance matcher of a constrained request (gemmax.engine.constraints)
+    speculation: RequestSpeculation | None = None  # made by its first decode dispatch, if it speculates
 
 
 class BatchEngine:
@@ -113,9 +136,23 @@ class BatchEngine:
     def __init__(self, loaded, max_model_len: int = 4096, max_batch: int = 8,
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
-                 batch_invariant: bool = False, schedule=None):
+                 batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0,
+                 speculation: Speculation | None = None):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
+        if speculation is not None and (mesh is not None or batch_invariant):
+            raise ValueError("--speculative runs on one device without --batch-invariant: it cannot be combined "
+                             "with --mesh or --batch-invariant")
+        if mesh is not None:  # prefix caching runs on one device (its copies are not compiled for a mesh)
+            if prefix_cache_bytes:
+                raise ValueError("prefix caching runs on one device: give --prefix-cache-bytes 0 with --mesh")
+            prefix_cache_bytes = 0
+        # Speculative decoding: None (off: no verify shapes, plain rings), or the default of requests
+        # that do not choose (method "off": only requests that ask speculate). Rings get k_max slots
+        # of slack (gemmax.model.kv_cache), shown in the memory plan.
+        self.speculation = speculation
+        self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
+        self.ring_slack = max(self.spec_ks, default=0)
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -128,12 +165,15 @@ class BatchEngine:
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
-            mesh=mesh))
+            mesh=mesh, prefix_cache_bytes=prefix_cache_bytes,
+            ring_slack=self.ring_slack))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
         self.steps = types.SimpleNamespace(prefill_step=prefill_step, decode_step=decode_step,
-                                           decode_rows=decode_rows, init_device_state=init_device_state)
+                                           decode_rows=decode_rows, decode_forward=decode_forward,
+                                           decode_sample=decode_sample, verify_rows=verify_rows,
+                                           init_device_state=init_device_state)
         self.mesh = None
         if mesh is not None:
             check_mesh(mesh, self.config, max_batch)
@@ -149,6 +189,8 @@ class BatchEngine:
         self.schedule = schedule
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
+        self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
+        self.prefix_cache: PrefixCache | None = None  # allocated after warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
@@ -164,6 +206,7 @@ class BatchEngine:
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._constraints = None  # ConstraintCompiler, built by the first constrained request
+        self._constrained_shapes: set[tuple] = set()  # constrained decode shapes run so far (compiled lazily)
 
     # ------------------------------------------------------------------------------ Engine protocol
     @property
@@ -181,13 +224,23 @@ class BatchEngine:
 
     @property
     def info(self) -> dict[str, Any]:
-        """Static facts (computed once warm-up is done; before that, from what is loaded so far)."""
-        if self._info is not None:
-            return self._info
-        info = self._describe()
-        if self._ready.is_set():
-            self._info = info
-        return info
+        """Static facts (computed once warm-up is done; before that, from what is loaded so far),
+        and which constrained-decoding shapes have compiled so far."""
+        if self._info is None:
+            info = self._describe()
+            if self._ready.is_set():
+                self._info = info
+        else:
+            info = self._info
+        return {**info, "constrained_decode": self._constrained_report()}
+
+    def _constrained_report(self) -> dict[str, Any]:
+        """Constrained decoding's own shapes (`decode_forward` per decode shape, `decode_sample` per
+        group) are not warmed up: warm-up compiles only what every request can need (start-up time
+        matters to everyone, constraints to some), so the first constrained request of each shape
+        compiles it (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
+        declared = len(self.shapes.decode_shapes) + len(self.shapes.decode_groups)
+        return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_shapes)}
 
     def _describe(self) -> dict[str, Any]:
         policy = self.loaded.policy.observed(self.params, None if self.device is None else self.device.cache)
@@ -209,13 +262,22 @@ class BatchEngine:
             "batch_invariant": self.batch_invariant,
             "decode_groups": list(self.shapes.decode_groups),
             "kv_buckets": list(self.shapes.kv_buckets),
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
+            "speculative": None if self.speculation is None else {
+                "default": dataclasses.asdict(self.speculation), "k": list(self.spec_ks), "ring_slack": self.ring_slack},
             "warmup": self.warmup_report,
         }
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
-        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
+        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+                         spec_ks=self.spec_ks)
+        if request.speculative is None and self.speculation is not None:  # the engine's default
+            request = dataclasses.replace(request, speculative=self.speculation)
+        if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
+            raise InvalidRequest(request.constraint.param, "constrained output is not served across processes "
+                                 "yet (docs/mesh.md): serve it from one process", "unsupported")
         handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
         with self._lock:
             self.admission.check(len(self._queue))  # QueueFull (503 + Retry-After) at the bound
@@ -227,7 +289,8 @@ class BatchEngine:
         with self._lock:
             running = sum(s is not None for s in self._slots)
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
-                               slots_total=self.max_batch)
+                               slots_total=self.max_batch,
+                               prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         self._closing = True
@@ -284,8 +347,21 @@ class BatchEngine:
 
     @_replayed
     def _init_device_state(self) -> None:
-        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision)
+        slack = (self.ring_slack,) if self.ring_slack else ()  # the mesh's init takes none (no speculation there)
+        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
+                                                   *slack)
         self.want_logprobs[:] = False
+
+    def _init_prefix_cache(self) -> None:
+        """An empty prefix cache (after warm-up, so the throwaway requests leave nothing in it)."""
+        if not self.prefix_cache_bytes:
+            return
+        self.prefix_cache = PrefixCache(self.config, self.max_model_len, self.shapes.buckets[0],
+                                        self.prefix_cache_bytes, self.precision.kv_cache)
+        if not self.prefix_cache.capacity:
+            log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", self.prefix_cache_bytes,
+                        self.prefix_cache.block, self.prefix_cache.block_bytes)
+            self.prefix_cache = None
 
     def _warm_up(self) -> None:
         """Run one throwaway request per prefill bucket through the real admission and decode path, so
@@ -304,6 +380,9 @@ class BatchEngine:
             for size, kv_len in self.shapes.decode_shapes:  # all rows idle: nothing is written
                 self._dispatch_decode(1, self.want_logprobs,
                                       None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
+                for k in self.spec_ks:
+                    self._dispatch_verify(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
+                                          np.zeros(size, np.int32), kv_len)
             # Measured on CPU (built-in model): without this second round, the first real request's
             # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
             # a second run of each prefill shape removes it (the cause was not found).
@@ -311,7 +390,8 @@ class BatchEngine:
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        shapes = len(prefills) + len(self.shapes.decode_shapes)
+        self._init_prefix_cache()
+        shapes = len(prefills) + len(self.shapes.decode_shapes) * (1 + len(self.spec_ks))
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
         self._ready.set()
@@ -350,28 +430,72 @@ class BatchEngine:
 
     @_replayed
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
-                         kv_len: int | None = None, masks: np.ndarray | None = None):
+                         kv_len: int | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
-        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being computed. `kv_len` must cover every active row's position
-        through the last of these steps. `masks` (one step only): packed allowed-token masks per
-        slot or row of `rows` (constrained decoding)."""
+        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
+        computed. `kv_len` must cover every active row's position through the last of these steps."""
         outputs = []
         want = jnp.asarray(want_logprobs)
         kv_len = kv_len or self.max_model_len
-        mask = None if masks is None else jnp.asarray(masks)
         for _ in range(steps):
             if rows is None:
-                self.device, out = self.steps.decode_step(self.params, self.device, want, mask, config=self.config,
+                self.device, out = self.steps.decode_step(self.params, self.device, want, config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           row_invariant=self.batch_invariant)
             else:
                 self.device, out = self.steps.decode_rows(self.params, self.device, want,
-                                                          jnp.asarray(rows, jnp.int32), mask, config=self.config,
+                                                          jnp.asarray(rows, jnp.int32), config=self.config,
                                                           precision=self.precision, kv_len=kv_len,
                                                           row_invariant=self.batch_invariant)
             outputs.append(out)
         return outputs
+
+    def _forward(self, rows: jax.Array | None, kv_len: int) -> jax.Array:
+        """Enqueue the forward half of a decode step (constrained decoding); returns its logits."""
+        self.device, logits = self.steps.decode_forward(self.params, self.device, rows, config=self.config,
+                                                        precision=self.precision, kv_len=kv_len,
+                                                        row_invariant=self.batch_invariant)
+        return logits
+
+    def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
+        """`steps` decode steps while some row is constrained, pipelined as vLLM does: step n's
+        forward is on the device while the host fills step n's masks (which need step n - 1's
+        tokens, consumed by the matchers), then step n's sampling is enqueued with them and at once
+        step n + 1's forward (its input is step n's token, already on the device), and only then
+        are step n's ids fetched and delivered. The device waits for the host only where the
+        host's work (fetch, deliver, masks) outlasts a forward.
+
+        A row finished while the next forward is in flight was computed once more for nothing:
+        `_finish` zeroes its budget before that step's sampling, which then leaves the row as it is
+        (as the free path does with the steps already enqueued after a stop)."""
+        want = jnp.asarray(self.want_logprobs)
+        group = None if rows is None else jnp.asarray(rows, jnp.int32)
+        size = len(slot_of)
+        shapes = {("forward", size, kv_len), ("sample", size)}
+        if not shapes <= self._constrained_shapes:  # this dispatch compiles: its rows' timings say so
+            self._constrained_shapes |= shapes
+            for i in slot_of:
+                if self._slots[i] is not None:
+                    self._slots[i].uncompiled = True
+        logits = self._forward(group, kv_len)
+        for n in range(steps):
+            if n and all(self._slots[i] is None for i in slot_of):
+                break  # every row has ended: the forward in flight was for nothing, and no more follow
+            masks = jnp.asarray(self._constraint_masks(slot_of))
+            self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
+            if n + 1 < steps:
+                logits = self._forward(group, kv_len)
+            self._deliver(out, slot_of)
+
+    def _dispatch_verify(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray, kv_len: int):
+        """Enqueue one verify step of the group `rows` (steps.verify_rows); its outputs per row of `rows`,
+        as device arrays. `kv_len` must cover every active row's position + k + 1."""
+        self.device, out = self.steps.verify_rows(self.params, self.device, jnp.asarray(self.want_logprobs),
+                                                  jnp.asarray(rows, jnp.int32), jnp.asarray(proposals, jnp.int32),
+                                                  jnp.asarray(num_proposed, jnp.int32), config=self.config,
+                                                  precision=self.precision, kv_len=kv_len)
+        return out
 
     def _decode_group(self) -> np.ndarray | None:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
@@ -471,8 +595,8 @@ class BatchEngine:
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
             compiler.fill(slot.matcher, mask, 0)
-        start = 0
-        chunks = plan_chunks(len(prompt), self.shapes.buckets)
+        chunks, keys = self._plan_prefill(slot_index, slot, prompt)
+        start = slot.cached_tokens
         for index, (real, bucket) in enumerate(chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
                 self._finish_unstarted(handle, submitted)
@@ -484,6 +608,8 @@ class BatchEngine:
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
             start += real
+            if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
+                slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
         token, lp, top_ids, top_lp = jax.device_get(out)
         now = time.perf_counter()
         slot.prefill_seconds = now - admitted
@@ -493,6 +619,22 @@ class BatchEngine:
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
             # budget counts the token just produced; the device runs while tokens are still owed
             self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+
+    def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int]) -> tuple[list[tuple[int, int]], list[bytes]]:
+        """The chunks that prefill `prompt` into slot `slot_index`, and its block keys. With prefix
+        caching the longest cached prefix is first copied into the slot (`slot.cached_tokens`) and the
+        chunks start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
+        prefixes = self.prefix_cache
+        if prefixes is None:
+            return plan_chunks(len(prompt), self.shapes.buckets), []
+        keys = prefixes.keys(prompt, slot.request.cache_salt)
+        hit = prefixes.lookup(keys, len(prompt))
+        if hit.blocks:
+            cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
+            self.device = dataclasses.replace(self.device, cache=cache)
+            slot.uncompiled |= compiled
+            slot.cached_tokens = hit.tokens
+        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets), keys
 
     def _constraint_compiler(self):
         """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""
@@ -506,42 +648,90 @@ class BatchEngine:
                                                    self.eos_token_ids)
         return self._constraints
 
-    def _constraint_masks(self, slot_of) -> np.ndarray | None:
-        """The next step's packed masks per row of `slot_of` when some row is constrained (free and
-        idle rows all ones), else None: a batch without constrained rows runs the mask-free step."""
-        constrained = [(j, self._slots[i].matcher) for j, i in enumerate(slot_of)
-                       if self._slots[i] is not None and self._slots[i].matcher is not None]
-        if not constrained:
-            return None
+    def _constraint_masks(self, slot_of) -> np.ndarray:
+        """The next step's packed masks per row of `slot_of`: each constrained row's matcher's
+        allowed tokens; free and idle rows (and rows whose request ended) all ones."""
         compiler = self._constraint_compiler()
         masks = compiler.masks(len(slot_of))
-        for j, matcher in constrained:
-            compiler.fill(matcher, masks, j)
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is not None and slot.matcher is not None:
+                compiler.fill(slot.matcher, masks, j)
         return masks
 
     def _decode_dispatch(self) -> None:
         rows = self._decode_group()
         slot_of = range(self.max_batch) if rows is None else rows
-        masks = self._constraint_masks(slot_of)
-        # A constrained row needs its sampled token on the host before the next step's mask: one step.
-        steps = self.steps_per_dispatch if masks is None else 1
+        constrained = any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of)
+        if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
+            return
+        steps = self.steps_per_dispatch
         # Every active row's cached length stays below its position + steps during this dispatch.
         furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
         kv_len = self.shapes.kv_bound(furthest)
-        outputs = self._dispatch_decode(steps, self.want_logprobs, rows, kv_len, masks)
-        for out in outputs:
-            # Each step's tokens go out as soon as that step is done, while the device runs the next.
-            ids, lps, top_ids, top_lps, active = jax.device_get(out)
-            now = time.perf_counter()
-            for j, i in enumerate(slot_of):
-                if self._slots[i] is None or not active[j]:
-                    continue
+        if constrained:
+            self._decode_constrained(steps, rows, slot_of, kv_len)
+        else:  # the mask-free step: no row waits for the host's masks
+            for out in self._dispatch_decode(steps, self.want_logprobs, rows, kv_len):
+                self._deliver(out, slot_of)  # each step's tokens go out while the device runs the next
+        self._reap_cancelled()
+
+    def _deliver(self, out, slot_of) -> None:
+        """Fetch one step's outputs (waiting for the step) and hand each active row its token."""
+        ids, lps, top_ids, top_lps, active = jax.device_get(out)
+        now = time.perf_counter()
+        for j, i in enumerate(slot_of):
+            if self._slots[i] is None or not active[j]:
+                continue
+            try:
+                self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+            except Exception as exc:  # delivering this request's token failed: end it alone
+                log.exception("request %s failed", self._slots[i].handle.request_id)
+                self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _speculative_dispatch(self, slot_of) -> bool:
+        """One verify step of the group `slot_of` when some row in it speculates and has proposals;
+        returns False (nothing done) when none has. Its tokens are taken one by one through
+        `_accept`, so stop ids, min_tokens, max_tokens and streaming behave as in plain decoding (a
+        stop id among the accepted tokens ends the request there)."""
+        proposals: dict[int, np.ndarray] = {}
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is None or not _speculates(slot.request):
+                continue
+            if slot.speculation is None:
+                slot.speculation = RequestSpeculation(slot.request.speculative.method, slot.request.speculative.k)
+            context = np.asarray((*slot.request.prompt_ids, *slot.tokens), np.int32)
+            owed = slot.budget - len(slot.tokens)
+            proposed = slot.speculation.propose(context, len(slot.tokens))[: owed - 1]
+            if len(proposed):
+                proposals[j] = proposed
+        if not proposals:
+            return False
+        k = next(k for k in self.spec_ks if k >= max(len(p) for p in proposals.values()))
+        table, counts = np.zeros((len(slot_of), k), np.int32), np.zeros(len(slot_of), np.int32)
+        for j, proposed in proposals.items():
+            table[j, : len(proposed)], counts[j] = proposed, len(proposed)
+        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + k + 1
+        out = self._dispatch_verify(np.asarray(slot_of, np.int32), table, counts, self.shapes.kv_bound(furthest))
+        drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
+        now = time.perf_counter()
+        for j, i in enumerate(slot_of):
+            slot = self._slots[i]
+            if slot is None or not active[j]:
+                continue
+            if j in proposals:
+                slot.speculation.observe(int(counts[j]), int(accepted[j]), len(slot.tokens) + int(accepted[j]) + 1)
+            for t in range(int(accepted[j]) + 1):  # only a row's first token can carry logprobs (no proposals)
                 try:
-                    self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+                    if not self._accept(i, int(drawn[j, t]), float(lps[j]), top_ids[j], top_lps[j], now):
+                        break
                 except Exception as exc:  # delivering this request's token failed: end it alone
                     log.exception("request %s failed", self._slots[i].handle.request_id)
                     self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+                    break
         self._reap_cancelled()
+        return True
 
     def _accept(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
         """Take one generated token for slot i; returns True if the request goes on."""
@@ -597,7 +787,9 @@ class BatchEngine:
             log.debug("degenerate output for %s: %s", slot.handle.request_id, verdict.reason)
         slot.handle.finish(GenerationResult(
             token_ids=tuple(slot.tokens), finish_reason=reason, prompt_tokens=len(slot.request.prompt_ids),
-            timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error))
+            timings=timings, degeneracy=verdict, stop_token_id=stop_token, error=error,
+            cached_tokens=slot.cached_tokens,
+            speculation=None if slot.speculation is None else slot.speculation.stats()))
 
     def _finish_unstarted(self, handle: RequestHandle, submitted: float, reason: str = "cancelled",
                           error: str | None = None) -> None:
@@ -613,7 +805,7 @@ class BatchEngine:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
         state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
         lost and they carry on untouched."""
-        leaves = jax.tree.leaves(self.device)
+        leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
@@ -623,3 +815,13 @@ class BatchEngine:
             if slot is not None:
                 self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
         self._init_device_state()
+        self._init_prefix_cache()  # its pool may have gone with a failed copy
+
+
+def _speculates(request: GenerationRequest) -> bool:
+    """Whether a request decodes speculatively: it asks (or the engine's default does, resolved at
+    submit) and nothing in it needs a token-by-token step: logprobs, a constraint or penalties (the
+    verify step draws proposed positions without penalties) make it decode plainly."""
+    spec, s = request.speculative, request.sampling
+    return (spec is not None and spec.method != "off" and request.logprobs is None and request.constraint is None
+            and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)

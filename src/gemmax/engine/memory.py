@@ -47,15 +47,20 @@ from gemmax.model.sharding import MESH_AXES, param_partition
 
 GiB = 1 << 30
 MiB = 1 << 20
+# The prefix cache's budget when none is given (`serve`, `fit`): the memory the plan leaves free, at
+# most this. 1 GiB holds ~58,000 prompt tokens of the built-in model's bf16 KV (18 KiB per token: a
+# cached block keeps every KV-owning layer's part).
+PREFIX_CACHE_DEFAULT_MAX = GiB
 
 
 # ------------------------------------------------------------------------------------- KV cache
 
 
-def kv_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of the cache the engine allocates (`init_cache(config, batch, max_len, dtype)`), from its
-    `jax.eval_shape` (`kv_cache.cache_bytes`): K and V of every KV-owning layer."""
-    return cache_bytes(config, max_len, batch, dtype)
+def kv_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16,
+                   ring_slack: int = 0) -> int:
+    """Bytes of the cache the engine allocates (`init_cache(config, batch, max_len, dtype, ring_slack)`),
+    from its `jax.eval_shape` (`kv_cache.cache_bytes`): K and V of every KV-owning layer."""
+    return cache_bytes(config, max_len, batch, dtype, ring_slack)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
@@ -64,10 +69,11 @@ def kv_bytes_per_token(config: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
                if spec.owns_kv and not spec.sliding_window)
 
 
-def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int | None = None) -> int:
-    """KV bytes of the sliding rings (window slots each, fewer when max_len is shorter)."""
+def kv_fixed_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16, max_len: int | None = None,
+                   ring_slack: int = 0) -> int:
+    """KV bytes of the sliding rings (window + ring_slack slots each, fewer when max_len is shorter)."""
     return sum(
-        (spec.sliding_window if max_len is None else min(spec.sliding_window, max_len)) * size
+        (spec.sliding_window + ring_slack if max_len is None else cache_slots(spec, max_len, ring_slack)) * size
         for spec, size in zip(config.layers, slot_bytes(config, dtype), strict=True)
         if spec.owns_kv and spec.sliding_window
     )
@@ -145,10 +151,13 @@ class MemoryPlan:
     largest_max_model_len: int | None  # at max_batch (None: not even 1 token fits)
     largest_batch: int  # at max_model_len (0: not even one slot)
     mesh: str = "1 device"  # every byte figure is per device of this mesh
+    prefix_cache: int = 0  # the prefix cache's byte budget (gemmax.engine.prefix_cache; 0: off)
+    prefix_cache_auto: bool = False  # the budget is the default: free memory, at most PREFIX_CACHE_DEFAULT_MAX
+    ring_slack: int = 0  # extra slots per sliding ring (speculative decoding)
 
     @property
     def required(self) -> int:
-        return self.weights + self.kv_cache + self.workspace
+        return self.weights + self.kv_cache + self.workspace + self.prefix_cache
 
     @property
     def available(self) -> int:
@@ -165,8 +174,10 @@ class MemoryPlan:
             f"memory plan for {self.model}: max_model_len={n} max_batch={b} on {self.mesh}, per device ({verdict})",
             f"  weights ({self.weight_dtype})        {_fmt(self.weights)}",
             f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
-            f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings)",
+            f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings"
+            + (f", each window + {self.ring_slack} slots for speculative decoding)" if self.ring_slack else ")"),
             f"  workspace               {_fmt(self.workspace)} (prefill of {self.prefill_tokens:,} tokens, attention scores dominate)",
+            f"  prefix cache            {_fmt(self.prefix_cache)} ({self._prefix_note})",
             f"  required                {_fmt(self.required)}",
             f"  device memory           {_fmt(self.device_memory)} - reserve {_fmt(self.reserve)} = {_fmt(self.available)} available",
         ]
@@ -176,6 +187,12 @@ class MemoryPlan:
         out.append(f"  largest max_model_len at max_batch={b}: {longest}")
         out.append(f"  largest max_batch at max_model_len={n}: {self.largest_batch}")
         return out
+
+    @property
+    def _prefix_note(self) -> str:
+        if self.prefix_cache_auto:
+            return f"default: what the rest leaves free, at most {PREFIX_CACHE_DEFAULT_MAX / GiB:g} GiB; LRU-evicted"
+        return "budget, LRU-evicted" if self.prefix_cache else "off"
 
     def explain(self) -> str:
         return "\n".join(self.lines())
@@ -201,26 +218,34 @@ def plan_memory(
     reserve_fraction: float = 0.05,
     model: str = "model",
     mesh: MeshSpec | None = None,
+    prefix_cache_bytes: int | None = 0,
+    ring_slack: int = 0,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
     checkpoint's `Checkpoint.weight_bytes`). With a `mesh`, every figure is per device: each
     parameter divided by the mesh axes its sharding rule splits it over (`model.sharding`), the KV
-    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads)."""
+    cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads).
+    `prefix_cache_bytes`: the prefix cache's budget, held on the device beside the KV cache (None: the
+    default, what the rest leaves free up to PREFIX_CACHE_DEFAULT_MAX; it never makes a plan not fit).
+    `ring_slack`: extra slots per sliding ring (speculative decoding's k_max, `kv_cache` docstring)."""
     if max_model_len < 1 or max_batch < 1:
         raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
-    split = _MeshSplit(config, mesh)
+    split = _MeshSplit(config, mesh, ring_slack)
     weights = split.weights(weight_dtype) if weights is None else weights // split.weight_ratio(weight_dtype)
     reserve = int(device_memory * reserve_fraction)
 
     def required(n: int, b: int) -> int:
         chunk = n if prefill_tokens is None else min(prefill_tokens, n)
-        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype)
+        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype) + (prefix_cache_bytes or 0)
 
     available = device_memory - reserve
     longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
     widest = split.dp * (_largest(lambda r: required(max_model_len, r * split.dp) <= available, 1 << 16) or 0)
     chunk = max_model_len if prefill_tokens is None else min(prefill_tokens, max_model_len)
+    prefix_cache = prefix_cache_bytes
+    if prefix_cache is None:
+        prefix_cache = min(PREFIX_CACHE_DEFAULT_MAX, max(0, available - required(max_model_len, max_batch)))
     return MemoryPlan(
         model=model,
         max_model_len=max_model_len,
@@ -230,7 +255,8 @@ def plan_memory(
         kv_dtype=jnp.dtype(kv_dtype).name,
         weights=weights,
         kv_per_token=kv_bytes_per_token(config, kv_dtype),
-        kv_fixed=kv_fixed_bytes(config, kv_dtype, max_model_len),
+        kv_fixed=kv_fixed_bytes(config, kv_dtype, max_model_len, ring_slack),
+        ring_slack=ring_slack,
         kv_cache=split.kv(max_model_len, max_batch, kv_dtype),
         workspace=split.workspace(chunk, max_model_len, max_batch, activation_dtype),
         device_memory=device_memory,
@@ -238,14 +264,17 @@ def plan_memory(
         largest_max_model_len=longest,
         largest_batch=widest,
         mesh="1 device" if mesh is None else f"mesh {mesh} ({mesh.size} devices)",
+        prefix_cache=prefix_cache,
+        prefix_cache_auto=prefix_cache_bytes is None,
     )
 
 
 class _MeshSplit:
     """Per-device bytes on a mesh (one device: the whole figures)."""
 
-    def __init__(self, config: ModelConfig, mesh: MeshSpec | None):
+    def __init__(self, config: ModelConfig, mesh: MeshSpec | None, ring_slack: int = 0):
         self.config = config
+        self.ring_slack = ring_slack
         self.mesh = mesh
         self.dp = mesh.dp if mesh else 1
         tp = mesh.tp if mesh else 1
@@ -269,9 +298,9 @@ class _MeshSplit:
 
     def kv(self, max_len: int, batch: int, kv_dtype: Any) -> int:
         if self.mesh is None:
-            return kv_cache_bytes(self.config, max_len, batch, kv_dtype)
+            return kv_cache_bytes(self.config, max_len, batch, kv_dtype, self.ring_slack)
         rows = -(-batch // self.dp)
-        per_layer = layer_cache_bytes(self.config, max_len, 1, kv_dtype)
+        per_layer = layer_cache_bytes(self.config, max_len, 1, kv_dtype, self.ring_slack)
         return rows * sum(size // tp for size, tp in zip(per_layer, self.kv_tp, strict=True))
 
     def workspace(self, chunk: int, max_len: int, batch: int, activation_dtype: Any) -> int:

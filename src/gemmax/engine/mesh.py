@@ -106,12 +106,14 @@ def state_shardings(device: steps.DeviceState, mesh: Mesh) -> steps.DeviceState:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSteps:
-    """The engine's three device steps, compiled for one mesh (same signatures as gemmax.engine.steps)."""
+    """The engine's device steps, compiled for one mesh (same signatures as gemmax.engine.steps)."""
 
     mesh: Mesh
     prefill_step: Any
     decode_step: Any
     decode_rows: Any
+    decode_forward: Any
+    decode_sample: Any
     init_device_state: Any
 
 
@@ -146,7 +148,9 @@ def mesh_steps(mesh: Mesh, config: ModelConfig, slots: int, max_len: int, precis
     init = jax.jit(steps.init_device_state, static_argnums=(0, 1, 2, 3), out_shardings=state)
     return MeshSteps(mesh=mesh, prefill_step=jit(steps.prefill_step, steps.PREFILL_STATIC),
                      decode_step=jit(steps.decode_step, steps.DECODE_STATIC),
-                     decode_rows=jit(steps.decode_rows, steps.DECODE_STATIC), init_device_state=init)
+                     decode_rows=jit(steps.decode_rows, steps.DECODE_STATIC),
+                     decode_forward=jit(steps.decode_forward, steps.DECODE_STATIC),
+                     decode_sample=jit(steps.decode_sample, ()), init_device_state=init)
 
 
 def mesh_summary(spec: MeshSpec, config: ModelConfig, mesh: Mesh) -> str:

@@ -238,6 +238,19 @@ def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:
     return bits.reshape(mask.shape[0], -1)[:, :vocab].astype(jnp.bool_)
 
 
+def choose_ids(logits: jax.Array, state: SamplingState) -> jax.Array:
+    """The token of each row from logits [B, V] as they are (penalties and masks already applied):
+    argmax on greedy rows, the filtered draw at the row's step on the others -> [B] i32. Reads only
+    the settings, keys and steps of `state` (not its counts)."""
+    sampling = state.temperature > 0
+    greedy = _argmax(logits)
+    return jax.lax.cond(
+        jnp.any(sampling),
+        lambda: jnp.where(sampling, _filtered_sample(logits, state), greedy).astype(jnp.int32),
+        lambda: greedy,
+    )
+
+
 def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, advance: jax.Array | None = None,
            mask: jax.Array | None = None):
     """logits [B, V] f32 -> (ids [B] i32, logprob [B] f32, top ids [B, K] i32, top logprobs [B, K] f32,
@@ -248,23 +261,14 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, ad
     `unpack_mask`): tokens whose bit is 0 are never chosen; an all-ones row leaves its logits as they
     are, so a free row draws the same token as without a mask. None (a separate compiled variant):
     no mask work at all."""
-    sampling = state.temperature > 0
     logits_in = logits
     if mask is not None:
         logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
-    def choose(penalised: jax.Array) -> jax.Array:  # [B, V] -> ids [B]
-        greedy = _argmax(penalised)
-        return jax.lax.cond(
-            jnp.any(sampling),
-            lambda: jnp.where(sampling, _filtered_sample(penalised, state), greedy).astype(jnp.int32),
-            lambda: greedy,
-        )
-
     # Both branches return only ids: a branch that passed the logits through would copy all [B, V].
     ids = jax.lax.cond(
         jnp.any((state.repetition != 1.0) | (state.presence != 0.0) | (state.frequency != 0.0)),
-        lambda: choose(apply_penalties(logits, state)), lambda: choose(logits),
+        lambda: choose_ids(apply_penalties(logits, state), state), lambda: choose_ids(logits, state),
     )
 
     def logprobs():

@@ -1,6 +1,8 @@
 """The jitted device steps of the batching engine: prefill of one chunk into one slot, a decode step
-of every slot, and a decode step of a group of slots, over one `DeviceState` pytree that each
-donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads) as static arguments, so the
+of every slot, a decode step of a group of slots (or, for constrained decoding, the same step
+as two dispatches: `decode_forward`, `decode_sample`), and the speculative verify step of a group
+of slots, over one `DeviceState` pytree that each donates and returns. Each takes `config`,
+`precision` and `kv_len` (the cache slots it reads) as static arguments, so the
 engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up.
 
 Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
@@ -8,7 +10,16 @@ rows at once (a GEMM), which sums in another order than the one-row matrix-vecto
 text can change at a near-tie with what shares its batch (docs/server.md). With `row_invariant` the
 decode steps compute each row as the one-row step does, one row after another: a row's logits are
 then bit-identical whatever the group size, the other rows and the KV-length bound (tested), at the
-cost of one weight read per row (about a single stream's speed per row)."""
+cost of one weight read per row (about a single stream's speed per row).
+
+Speculative verify (`verify_rows`): each row's last token and up to k proposed tokens [B, k+1] at
+positions n..n+k go through one forward; the target's token after each input is drawn as the
+decode step would draw it at that generation step (argmax, or the row's seeded draw at step s+j),
+and the row keeps the longest prefix of proposals equal to those draws, plus the draw after it.
+For a sampled row this is the speculative rejection rule with a one-hot proposal: the proposal x is
+kept with probability p(x), and when it is not, the draw y != x is distributed as p with x removed,
+renormalised. A rollback is a shorter cached length (`kv_cache` docstring: rings have k_max slots of
+slack)."""
 
 from __future__ import annotations
 
@@ -19,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gemmax.engine.sampling import SamplingState, sample, set_row
+from gemmax.engine.sampling import SamplingState, choose_ids, sample, set_row
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import KVCache, init_cache
@@ -45,9 +56,11 @@ class DeviceState:
         return dataclasses.replace(self, **updates)
 
 
-def init_device_state(config: ModelConfig, slots: int, max_len: int, precision: Precision) -> DeviceState:
-    """The zeroed state of `slots` decode slots of up to `max_len` positions, every slot idle."""
-    return DeviceState(cache=init_cache(config, slots, max_len, precision.kv_cache),
+def init_device_state(config: ModelConfig, slots: int, max_len: int, precision: Precision,
+                      ring_slack: int = 0) -> DeviceState:
+    """The zeroed state of `slots` decode slots of up to `max_len` positions, every slot idle; sliding
+    rings with `ring_slack` extra slots (speculative decoding's k_max)."""
+    return DeviceState(cache=init_cache(config, slots, max_len, precision.kv_cache, ring_slack),
                        sampling=SamplingState.empty(slots, config.vocab_size), tokens=jnp.zeros(slots, jnp.int32),
                        positions=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32))
 
@@ -103,31 +116,55 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
     return jnp.concatenate(logits, axis=0), cache
 
 
-def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, mask=None, row_invariant=False):
-    """One decode step for every row of `device`. Rows with remaining == 0 are idle: they write
-    nothing and keep their token, position and sampling state. `mask` [B, ceil(V / 32)] i32: allowed
-    tokens per row (constrained decoding; None: every row free, no mask work compiled in)."""
+def _advance(device: DeviceState, logits, want_logprobs, mask=None):
+    """The sampling half of a decode step: logits [B, V] (of the forward half) -> the next token of
+    every active row (remaining > 0); idle rows keep their token, position and sampling state. `mask`
+    [B, ceil(V / 32)] i32: allowed tokens per row (constrained decoding; None: no mask work compiled
+    in). The cache is passed through untouched."""
     active = device.remaining > 0
-    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, active, config,
-                                  precision, kv_len, row_invariant)
     ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active, mask)
     ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
-    device = DeviceState(cache=cache, sampling=sampling, tokens=ids, positions=device.positions + step,
-                         remaining=device.remaining - step)
+    device = dataclasses.replace(device, sampling=sampling, tokens=ids, positions=device.positions + step,
+                                 remaining=device.remaining - step)
     return device, (ids, lp, top_ids, top_lp, active)
 
 
+def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
+    """One decode step for every row of `device`: forward, then `_advance`. Rows with remaining == 0
+    are idle: they write nothing and keep their token, position and sampling state."""
+    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, device.remaining > 0,
+                                  config, precision, kv_len, row_invariant)
+    return _advance(dataclasses.replace(device, cache=cache), logits, want_logprobs)
+
+
+_ROW_FIELDS = ("sampling", "tokens", "positions", "remaining")  # per-slot state besides the cache
+
+
+def _gather(device: DeviceState, rows, kv_len=None, cache: bool = True) -> DeviceState:
+    """The rows `rows` [k] of the per-slot state, and of the cache's first kv_len slots (`cache`; else
+    the whole cache, untouched, rides along)."""
+    per_row = {name: jax.tree.map(lambda a: a[rows], getattr(device, name)) for name in _ROW_FIELDS}
+    return DeviceState(cache=device.cache.gather(rows, kv_len) if cache else device.cache, **per_row)
+
+
+def _scatter(device: DeviceState, sub: DeviceState, rows, kv_len=None, cache: bool = True) -> DeviceState:
+    """`device` with rows `rows` replaced by `sub` (from `_gather` with the same `cache`)."""
+    per_row = {name: jax.tree.map(lambda a, b: a.at[rows].set(b), getattr(device, name), getattr(sub, name))
+               for name in _ROW_FIELDS}
+    return DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len) if cache else sub.cache, **per_row)
+
+
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
-def decode_step(params, device: DeviceState, want_logprobs, mask=None, *, config, precision, kv_len=None,
+def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
     Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
-    return _decode(params, device, want_logprobs, config, precision, kv_len, mask, row_invariant)
+    return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
 
 
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
-def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, config, precision, kv_len=None,
+def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None,
                 row_invariant=False):
     """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
     are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
@@ -136,16 +173,84 @@ def decode_rows(params, device: DeviceState, want_logprobs, rows, mask=None, *, 
 
     Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
     cost ~20% of a step of the built-in model."""
-    per_row = lambda a: a[rows]  # noqa: E731
-    sub = DeviceState(cache=device.cache.gather(rows, kv_len), sampling=jax.tree.map(per_row, device.sampling),
-                      tokens=per_row(device.tokens), positions=per_row(device.positions),
-                      remaining=per_row(device.remaining))
-    sub, out = _decode(params, sub, want_logprobs[rows], config, precision, kv_len, mask, row_invariant)
-    put = lambda a, b: a.at[rows].set(b)  # noqa: E731
-    device = DeviceState(cache=device.cache.scatter(rows, sub.cache, kv_len),
-                         sampling=jax.tree.map(put, device.sampling, sub.sampling), tokens=put(device.tokens, sub.tokens),
-                         positions=put(device.positions, sub.positions), remaining=put(device.remaining, sub.remaining))
-    return device, out
+    sub, out = _decode(params, _gather(device, rows, kv_len), want_logprobs[rows], config, precision, kv_len,
+                       row_invariant)
+    return _scatter(device, sub, rows, kv_len), out
+
+
+# Constrained decoding splits a step in two dispatches, so that the host fills step n's token masks
+# while the device runs step n's forward (the engine's `_decode_constrained`): `decode_forward`
+# (cache update, logits), then `decode_sample` (mask applied, next tokens). Together they compute
+# what decode_step / decode_rows compute with a mask.
+
+@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
+def decode_forward(params, device: DeviceState, rows=None, *, config, precision, kv_len=None, row_invariant=False):
+    """The forward half of a decode step of every slot (`rows` None) or of the group `rows` [k]:
+    returns (device with its cache written, logits [B or k, V] f32 of each row's next token)."""
+    sub = device if rows is None else _gather(device, rows, kv_len)
+    logits, cache = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
+                                  precision, kv_len, row_invariant)
+    if rows is None:
+        return dataclasses.replace(device, cache=cache), logits
+    return dataclasses.replace(device, cache=device.cache.scatter(rows, cache, kv_len)), logits
+
+
+@functools.partial(jax.jit, donate_argnames=("device",))
+def decode_sample(device: DeviceState, logits, want_logprobs, mask, rows=None):
+    """The sampling half (`_advance`) of the step whose logits `decode_forward` returned, under
+    `mask` [B or k, ceil(V / 32)] i32; outputs as decode_step's (per slot, or per row of `rows`)."""
+    if rows is None:
+        return _advance(device, logits, want_logprobs, mask)
+    sub, out = _advance(_gather(device, rows, cache=False), logits, want_logprobs[rows], mask)
+    return _scatter(device, sub, rows, cache=False), out
+
+
+def _later_steps(state: SamplingState, k: int) -> SamplingState:
+    """Each row's settings repeated for its next k generation steps ([B * k] rows, steps s+1 .. s+k),
+    without the [B, V] counts (`choose_ids` does not read them)."""
+    light = dataclasses.replace(state, output_counts=None, prompt_mask=None)
+    repeated = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), light)
+    steps = (state.step[:, None] + jnp.arange(1, k + 1, dtype=state.step.dtype)[None, :]).reshape(-1)
+    return dataclasses.replace(repeated, step=steps)
+
+
+def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed, config, precision, kv_len):
+    """One verify step (module docstring) for every row: proposals [B, k] i32, of which the first
+    num_proposed [B] are real. A row with none proposed steps exactly as a decode step; rows with
+    remaining == 0 are idle. A row never gets more tokens than it still owes. Proposed positions of
+    rows with penalties are drawn without them: the engine proposes nothing for such rows."""
+    B, k = proposals.shape
+    active = device.remaining > 0
+    num_proposed = jnp.where(active, jnp.clip(num_proposed, 0, device.remaining - 1), 0)
+    tokens = jnp.concatenate([device.tokens[:, None], proposals], axis=1)  # [B, k+1]
+    logits, cache = forward(params, device.cache, tokens, device.positions, jnp.where(active, num_proposed + 1, 0),
+                            config=config, precision=precision, logits="all", kv_len=kv_len)  # [B, k+1, V]
+    first, lp, top_ids, top_lp, sampling = sample(logits[:, 0], device.sampling, want_logprobs, active)
+    later = choose_ids(logits[:, 1:].reshape(B * k, -1), _later_steps(device.sampling, k)).reshape(B, k)
+    drawn = jnp.concatenate([first[:, None], later], axis=1)  # [B, k+1]: the target's token after each input
+    agree = (proposals == drawn[:, :k]) & (jnp.arange(k)[None, :] < num_proposed[:, None])
+    accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [B] leading agreements
+    emitted = jnp.where(active, accepted + 1, 0)  # drawn[:, :accepted + 1]
+    last = jnp.take_along_axis(drawn, accepted[:, None], axis=1)[:, 0]
+    kept_later = (jnp.arange(k)[None, :] < accepted[:, None]).astype(jnp.int32)  # drawn[:, 1:] emitted
+    sampling = dataclasses.replace(
+        sampling, step=sampling.step + accepted,
+        output_counts=sampling.output_counts.at[jnp.arange(B)[:, None], drawn[:, 1:]].add(kept_later))
+    device = DeviceState(cache=cache, sampling=sampling, tokens=jnp.where(active, last, device.tokens),
+                         positions=device.positions + emitted, remaining=device.remaining - emitted)
+    return device, (drawn, accepted, lp, top_ids, top_lp, active)
+
+
+@functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
+def verify_rows(params, device: DeviceState, want_logprobs, rows, proposals, num_proposed, *, config, precision,
+                kv_len=None):
+    """One verify step (`_verify`) for the slots `rows` [g]: proposals [g, k], num_proposed [g].
+    `kv_len` must cover every row's position + k + 1: the proposed positions are written inside the
+    gathered slots. Returns (device, (drawn [g, k+1], accepted [g], logprob, top ids, top logprobs
+    of each row's first draw, active [g]))."""
+    sub, out = _verify(params, _gather(device, rows, kv_len), want_logprobs[rows], proposals, num_proposed, config,
+                       precision, kv_len)
+    return _scatter(device, sub, rows, kv_len), out
 
 
 @functools.partial(jax.jit, donate_argnames=("device",))

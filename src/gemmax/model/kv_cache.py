@@ -3,8 +3,8 @@ moves it (init, write, read, visible slots, row gather / scatter, bytes).
 
 Layout (one entry per layer; `None` for KV-sharing "reuse" layers, which read their donor's):
     LayerCache.k, .v   [B, S, nkv, hd]
-with S = `max_len` for full-attention layers and a ring of S = min(window, max_len) slots for
-sliding layers. The slot of absolute position p is `p` (full) or `p % S` (ring), so a slot's content
+with S = `max_len` for full-attention layers and a ring of S = min(window + ring_slack, max_len) slots
+for sliding layers (`ring_slack` = 0 unless speculative decoding is on, below). The slot of absolute position p is `p` (full) or `p % S` (ring), so a slot's content
 is a function of real positions only. Padding tokens are never written (their scatter index is out
 of range and dropped), and in a ring only the last S real positions of a chunk are written, so no
 two writes race for one slot. Which position a slot holds is computed from the row's cached length
@@ -18,6 +18,14 @@ Stored forms, by the cache dtype:
   model in a 4,224-slot cache); integer updates run in place, and reading reinterprets the bits
   inside the attention's own fusion;
 - int8: symmetric int8 per position and head, with float32 scales `k_scale`, `v_scale` [B, S, nkv].
+
+Speculative decoding writes k proposed positions p+1..p+k at once and may roll some back. In a ring
+of exactly `window` slots those writes would overwrite positions p+1-window..p+k-window, which the
+next query (at p+1 at least) may still see. With `ring_slack` = k_max extra slots the writes only
+overwrite positions <= p+k-(window+k_max) <= p-window, which no later query sees; a rejected
+position's slot then holds garbage that `slot_positions` attributes to a position a whole ring
+earlier, also outside every later window (masked by absolute position), until the real position
+overwrites it. So a rollback is just a shorter cached length: nothing is copied back.
 
 `gemmax fit` counts the cache's bytes from `jax.eval_shape` of `init_cache` (`cache_bytes`), so the
 plan and the allocation cannot disagree.
@@ -52,9 +60,9 @@ def _quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
-def cache_slots(spec: LayerSpec, max_len: int) -> int:
-    """Slots a layer keeps per row: its ring on sliding layers, max_len on full ones."""
-    return min(spec.sliding_window, max_len) if spec.sliding_window else max_len
+def cache_slots(spec: LayerSpec, max_len: int, ring_slack: int = 0) -> int:
+    """Slots a layer keeps per row: its ring (window + ring_slack) on sliding layers, max_len on full ones."""
+    return min(spec.sliding_window + ring_slack, max_len) if spec.sliding_window else max_len
 
 
 def slot_positions(cached: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
@@ -158,15 +166,16 @@ def _moving(a: jax.Array, kv_len: int | None) -> slice:
     return slice(None, None if kv_len is None else min(kv_len, a.shape[1]))
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    """Zeroed cache for `batch` rows of up to `max_len` positions, values held in `dtype`."""
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32, ring_slack: int = 0) -> KVCache:
+    """Zeroed cache for `batch` rows of up to `max_len` positions, values held in `dtype`; sliding rings
+    with `ring_slack` extra slots (speculative decoding, module docstring)."""
     dtype = jnp.dtype(dtype)
     layers: list[LayerCache | None] = []
     for spec in config.layers:
         if not spec.owns_kv:
             layers.append(None)
             continue
-        shape = (batch, cache_slots(spec, max_len), spec.num_kv_heads, spec.head_dim)
+        shape = (batch, cache_slots(spec, max_len, ring_slack), spec.num_kv_heads, spec.head_dim)
         stored = jnp.uint16 if _stored_as_bits(dtype) else dtype
         scales = {}
         if dtype == jnp.int8:  # per-position, per-head scales [B, S, nkv]
@@ -176,19 +185,21 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.f
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_bytes(config: ModelConfig, max_len: int, dtype_name: str) -> tuple[int, ...]:
-    abstract = jax.eval_shape(lambda: init_cache(config, 1, max_len, dtype_name))
+def _layer_bytes(config: ModelConfig, max_len: int, dtype_name: str, ring_slack: int = 0) -> tuple[int, ...]:
+    abstract = jax.eval_shape(lambda: init_cache(config, 1, max_len, dtype_name, ring_slack))
     return tuple(0 if layer is None else count_bytes(layer) for layer in abstract.layers)
 
 
-def layer_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> tuple[int, ...]:
+def layer_cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16,
+                      ring_slack: int = 0) -> tuple[int, ...]:
     """Bytes of each layer's cache (0 for KV-sharing layers), `batch` rows of `max_len` positions."""
-    return tuple(batch * size for size in _layer_bytes(config, max_len, jnp.dtype(dtype).name))
+    return tuple(batch * size for size in _layer_bytes(config, max_len, jnp.dtype(dtype).name, ring_slack))
 
 
-def cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of `init_cache(config, batch, max_len, dtype)`, from `jax.eval_shape` (nothing allocated)."""
-    return batch * sum(_layer_bytes(config, max_len, jnp.dtype(dtype).name))
+def cache_bytes(config: ModelConfig, max_len: int, batch: int = 1, dtype: Any = jnp.bfloat16, ring_slack: int = 0) -> int:
+    """Bytes of `init_cache(config, batch, max_len, dtype, ring_slack)`, from `jax.eval_shape` (nothing
+    allocated)."""
+    return batch * sum(_layer_bytes(config, max_len, jnp.dtype(dtype).name, ring_slack))
 
 
 def slot_bytes(config: ModelConfig, dtype: Any = jnp.bfloat16) -> tuple[int, ...]:

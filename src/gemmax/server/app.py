@@ -195,6 +195,12 @@ class ServerState:
             m.queue.observe(t.queue_seconds)
             m.decode_tokens.inc(max(len(choice.token_ids) - 1, 0))
             m.decode_seconds.inc(t.decode_seconds)
+            if result.speculation is not None:
+                m.spec_proposed_tokens.inc(result.speculation.proposed)
+                m.spec_accepted_tokens.inc(result.speculation.accepted)
+                for accepted, steps in enumerate(result.speculation.accepted_lengths):
+                    for _ in range(steps):
+                        m.spec_accepted.observe(accepted)
             if len(choice.token_ids) > 1:
                 m.last_decode_tps.set(t.decode_tokens_per_second)
             if t.uncompiled_shape:
@@ -222,6 +228,8 @@ class ServerState:
             payload.update(max_model_len=self.engine.max_model_len,
                            slots={"total": stats.slots_total, "in_use": stats.slots_in_use},
                            requests={"running": stats.running, "waiting": stats.waiting})
+            if stats.prefix_cache is not None:  # the budget and its use now (the static facts are in info)
+                payload["prefix_cache"] = {**(payload.get("prefix_cache") or {}), **stats.prefix_cache}
         return payload
 
 

@@ -32,6 +32,8 @@ from gemmax.engine.api import (
     QueueFull,
     RequestHandle,
     SamplingParams,
+    Speculation,
+    SpeculationStats,
     TokenEvent,
     check_token_ids,
 )
@@ -136,6 +138,19 @@ def completion_prompts(tokenizer, request: CompletionRequest, vocab_size: int | 
             text = tokenizer.decode(item, skip_special_tokens=False) if tokenizer is not None else None
             prompts.append(Prompt(list(item), text))
     return prompts
+
+
+def speculative_usage(stats: list[SpeculationStats]) -> dict[str, Any] | None:
+    """The speculation of a request's choices summed (None: none speculated): verify steps, tokens
+    proposed and accepted, and `accepted_lengths[n]`, the verify steps that accepted n proposals."""
+    if not stats:
+        return None
+    lengths = [0] * max(len(s.accepted_lengths) for s in stats)
+    for s in stats:
+        for n, count in enumerate(s.accepted_lengths):
+            lengths[n] += count
+    return {"steps": sum(s.steps for s in stats), "proposed_tokens": sum(s.proposed for s in stats),
+            "accepted_tokens": sum(s.accepted for s in stats), "accepted_lengths": lengths}
 
 
 def sampling_params(request: SamplingFields, seed: int | None) -> SamplingParams:
@@ -264,7 +279,8 @@ class Job:
                         prompt_ids=tuple(prompt.ids), max_tokens=room if wanted is None else wanted,
                         sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                         min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
-                        constraint=constraint,
+                        constraint=constraint, cache_salt=req.cache_salt,
+                        speculative=None if req.speculative is None else Speculation(**req.speculative),
                     )
                     handle = engine.submit(gen, loop)
                     self.choices.append(Choice(
@@ -320,6 +336,17 @@ class Job:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt as prompt_tokens are:
+        per prompt, the fewest any of its choices had (each choice is its own engine request)."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            cached = c.result.cached_tokens if c.result is not None else 0
+            key = id(c.prompt)
+            per_prompt[key] = min(per_prompt.get(key, cached), cached)
+        return sum(per_prompt.values())
+
     def usage(self) -> dict[str, Any]:
         """OpenAI usage plus the engine's timings, full precision. One choice: its own figures. Several:
         seconds are the slowest choice's, bucket and pad tokens are summed, decode speed is all
@@ -336,7 +363,7 @@ class Job:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "decode_tokens_per_second": tps,
             "time_to_first_token_seconds": max((t.time_to_first_token_seconds for t in timings), default=0.0),
             "prefill_seconds": max((t.prefill_seconds for t in timings), default=0.0),
@@ -346,6 +373,7 @@ class Job:
             "pad_tokens": sum(t.pad_tokens for t in timings),
             "uncompiled_shape": any(t.uncompiled_shape for t in timings),
             "degenerate": any(r.degeneracy.degenerate for r in results),
+            "speculative": speculative_usage([r.speculation for r in results if r.speculation is not None]),
         }
 
     def header(self, obj: str) -> dict[str, Any]:

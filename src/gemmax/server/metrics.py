@@ -2,8 +2,8 @@
 process, as they do in the tests). Names live under `gemmax:`.
 
 Request-side metrics are observed by the server as requests finish; engine-side gauges (running,
-waiting, KV slots, weight bytes, the precision in use) are read from the engine at scrape time by a
-custom collector, so they are never stale.
+waiting, KV slots, weight bytes, the precision in use) and the prefix cache's counters are read from
+the engine at scrape time by a custom collector, so they are never stale.
 """
 
 from __future__ import annotations
@@ -12,10 +12,24 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+# The prefix cache's figures (EngineStats.prefix_cache): (metric, key, help); counters, then gauges.
+PREFIX_COUNTERS = (
+    ("gemmax:prefix_cache_hits", "hits", "requests that found a cached prefix of their prompt"),
+    ("gemmax:prefix_cache_misses", "misses", "requests that found none"),
+    ("gemmax:prefix_cache_cached_tokens", "cached_tokens", "prompt tokens copied from the prefix cache, not prefilled"),
+    ("gemmax:prefix_cache_queried_tokens", "queried_tokens", "prompt tokens of the requests that looked"),
+    ("gemmax:prefix_cache_evicted_bytes", "evicted_bytes", "bytes of cached blocks evicted (LRU) to make room"),
+)
+PREFIX_GAUGES = (
+    ("gemmax:prefix_cache_used_bytes", "used_bytes", "bytes of cached blocks held now"),
+    ("gemmax:prefix_cache_budget_bytes", "budget_bytes", "the prefix cache's byte budget"),
+)
 
 
 class EngineCollector:
@@ -44,6 +58,11 @@ class EngineCollector:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], float(value))
             yield family
+        if stats.prefix_cache is not None:
+            for name, key, doc in PREFIX_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=float(stats.prefix_cache[key]))
+            for name, key, doc in PREFIX_GAUGES:
+                yield GaugeMetricFamily(name, doc, value=float(stats.prefix_cache[key]))
         precision = info.get("precision") or {}
         policy = info.get("policy") or {}
         labels = {"model": str(info.get("model", "")), "platform": str(policy.get("platform", "")),
@@ -80,6 +99,13 @@ class ServerMetrics:
                                   "flagged", registry=r)
         self.uncompiled = Counter("gemmax:uncompiled_shape_requests", "requests that hit a shape outside the "
                                   "warmed set", registry=r)
+        self.spec_accepted = Histogram("gemmax:spec_accepted_per_step", "proposals accepted per speculative "
+                                       "verify step (each step also yields the target's own next token)",
+                                       buckets=tuple(range(9)), registry=r)
+        self.spec_proposed_tokens = Counter("gemmax:spec_proposed_tokens", "tokens proposed to speculative "
+                                            "verify steps", registry=r)
+        self.spec_accepted_tokens = Counter("gemmax:spec_accepted_tokens", "proposed tokens accepted",
+                                            registry=r)
         r.register(EngineCollector(get_engine))
 
     def render(self) -> bytes:

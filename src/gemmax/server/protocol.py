@@ -68,6 +68,8 @@ class SamplingFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: exactly one of json, regex, choice, grammar
+    cache_salt: str | None = None  # vLLM extra: only requests with the same salt share cached prompt KV
+    speculative: dict[str, Any] | None = None  # gemmax extra: {"method": "ngram" | "off", "k": 2 | 4 | 8}
     _constraint: dict[str, str] | None = PrivateAttr(default=None)
 
     @field_validator("stop")
@@ -81,6 +83,21 @@ class SamplingFields(_Lenient):
             raise ValueError("stop must be a string or a list of strings (use stop_token_ids for ids)")
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, value: Any) -> dict[str, Any] | None:
+        """The shape only; the engine checks the values against what it compiled (400 with the numbers)."""
+        if value is None:
+            return None
+        unknown = set(value) - {"method", "k"}
+        if unknown:
+            raise ValueError(f"speculative takes `method` and `k`, not {', '.join(sorted(unknown))}")
+        if not isinstance(value.get("method", ""), str):
+            raise ValueError("speculative.method must be a string")
+        if isinstance(value.get("k"), bool) or not isinstance(value.get("k", 0), int):
+            raise ValueError("speculative.k must be an integer")
         return value
 
     @model_validator(mode="after")

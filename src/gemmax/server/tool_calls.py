@@ -15,9 +15,11 @@ answer always parses; "auto" parses whatever the model wrote and leaves plain te
 
 `OutputParser.update(ids)` re-reads a choice's whole token list each time (outputs are short next to
 the cost of a decode step) and returns what is new since the last call: reasoning text, content
-text, and tool calls once each is complete (name and JSON arguments in one delta, which is how
-vLLM's parsers send a call whose arguments arrive together). Its final state is the non-streamed
-message, so streamed and non-streamed answers agree.
+text, and tool calls as vLLM streams them: a call's name (with its id) as soon as it is written,
+then its JSON arguments in pieces as they arrive. Both call formats are read left to right so that
+a call's arguments only ever grow (Gemma 4's are translated to JSON character by character;
+Gemma 3's JSON arguments are the model's own text), and the final state is the non-streamed
+message: the pieces a client joins are exactly its arguments.
 """
 
 from __future__ import annotations
@@ -96,15 +98,14 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, fmt: str, tok
 
 
 def _gemma4_grammar(functions: list[dict[str, Any]], most: int, tokenizer) -> str:
-    """Lark (llguidance) for 1..most Gemma 4 calls: the special tokens by id (`<[id]>`), arguments
-    as Gemma 4's bare-key objects with `<|"|>` strings (the shape is enforced, not the schema)."""
+    """Lark (llguidance) for 1..most Gemma 4 calls, the special tokens by id (`<[id]>`): one rule per
+    function, its name, then its arguments under its `parameters` schema (`_Gemma4Arguments`)."""
     open_, close, quote = (f"<[{tokenizer.token_to_id(t)}]>" for t in (G4_CALL_OPEN, G4_CALL_CLOSE, G4_QUOTE))
-    names = " | ".join(json.dumps(f["name"]) for f in functions)
-    calls = " ".join(["call"] + ["call?"] * (most - 1))
-    return f"""
-start: {calls}
-call: {open_} "call:" name obj {close}
-name: {names}
+    arguments = _Gemma4Arguments(quote)
+    calls = [f'{open_} {json.dumps("call:" + f["name"])} {arguments.object(f.get("parameters") or {}, root=True)} {close}'
+             for f in functions]
+    repeat = " ".join(["call"] + ["call?"] * (most - 1))
+    return "\n".join([f"start: {repeat}", "call: " + " | ".join(f"({c})" for c in calls), *arguments.rules, f"""
 obj: "{{" (pair ("," pair)*)? "}}"
 pair: KEY ":" value
 value: string | NUMBER | "true" | "false" | "null" | obj | "[" (value ("," value)*)? "]"
@@ -112,46 +113,246 @@ string: {quote} TEXT? {quote}
 KEY: /[A-Za-z_][A-Za-z0-9_]*/
 NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?/
 TEXT: /[^<]+/
-"""
+"""])
+
+
+_JSON_SCALAR_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+class _Gemma4Arguments:
+    """Lark rules for Gemma 4 argument values under a JSON schema, as far as the syntax goes:
+    objects `{key:value,...}` with the schema's keys in its order (required ones always, the others
+    optional; no other keys), strings `<|"|>text<|"|>` (enum and const as literals, min/maxLength,
+    a `pattern` as the whole text), numbers, integers and booleans through llguidance's own JSON
+    rules (`%json`: bounds and multipleOf hold; the Gemma 4 and JSON spellings are the same), arrays
+    with min/maxItems, anyOf / oneOf, type lists and local `$ref`s. A value the schema leaves open
+    (no type, or a keyword not listed) is any Gemma 4 value (`value`). String text never holds `<`,
+    so no text can be read as a delimiter."""
+
+    def __init__(self, quote: str):
+        self.quote = quote
+        self.rules: list[str] = []
+        self.root: dict[str, Any] = {}
+        self.refs: dict[str, str] = {}
+
+    def _rule(self, body: str, name: str | None = None) -> str:
+        name = name or f"arg{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any) -> str:
+        """The name of a rule (or a literal) for one value under `schema`."""
+        if not isinstance(schema, dict):
+            return "value"
+        if "$ref" in schema:
+            return self._ref(schema["$ref"])
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            literals = [self._literal(v) for v in values]
+            return "value" if None in literals else self._rule(" | ".join(literals))
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                rest = {k: v for k, v in schema.items() if k != key}
+                return self._rule(" | ".join(self.value({**rest, **sub}) for sub in schema[key]))
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._rule(" | ".join(self.value({**schema, "type": t}) for t in kind))
+        if kind == "object" or (kind is None and "properties" in schema):
+            return self.object(schema)
+        if kind == "array":
+            return self._array(schema)
+        if kind == "string":
+            return self._string(schema)
+        if kind in ("integer", "number", "boolean", "null"):
+            subset = {k: schema[k] for k in _JSON_SCALAR_KEYS if k in schema}
+            return self._rule("%json " + json.dumps({**subset, "x-guidance": {"whitespace_flexible": False}}))
+        return "value"
+
+    def object(self, schema: dict[str, Any], root: bool = False) -> str:
+        if root:
+            self.root = schema
+        props = schema.get("properties") or {}
+        if not props:
+            return '"{" "}"' if schema.get("additionalProperties") is False else "obj"
+        required = set(schema.get("required") or ())
+        items = [(f"{json.dumps(key + ':')} {self.value(sub)}", key in required) for key, sub in props.items()]
+        # The first key written is any up to the first required one; each later one follows a comma.
+        firsts = []
+        for k, (item, needed) in enumerate(items):
+            rest = " ".join(f'("," {later})' + ("" if later_needed else "?") for later, later_needed in items[k + 1:])
+            firsts.append(f"({item} {rest})")
+            if needed:
+                break
+        body = " | ".join(firsts)
+        return self._rule(f'"{{" ({body}){"" if required & props.keys() else "?"} "}}"')
+
+    def _array(self, schema: dict[str, Any]) -> str:
+        low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if high == 0:
+            return self._rule('"[" "]"')
+        item = self.value(schema.get("items"))
+        more = f'("," {item}){{{max(low - 1, 0)},{"" if high is None else int(high) - 1}}}'
+        return self._rule(f'"[" ({item} {more}){"?" if low == 0 else ""} "]"')
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        if "pattern" in schema:
+            text = "/" + schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+            return self._rule(f"{self.quote} {text} {self.quote}")
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if high == 0:
+            return self._rule(f"{self.quote} {self.quote}")
+        text = f"/[^<]{{{max(low, 1)},{'' if high is None else int(high)}}}/"
+        return self._rule(f"{self.quote} {text}{'?' if low == 0 else ''} {self.quote}")
+
+    def _literal(self, value: Any) -> str | None:
+        """A Lark literal for one enum value (None for objects and arrays: left open)."""
+        if isinstance(value, str):
+            return f"{self.quote} {json.dumps(value)} {self.quote}" if value else f"{self.quote} {self.quote}"
+        if isinstance(value, (bool, int, float)) or value is None:
+            return json.dumps(json.dumps(value))
+        return None
+
+    def _ref(self, ref: str) -> str:
+        """A local `#/...` reference, one rule per target (so recursive schemas stay finite)."""
+        if ref in self.refs:
+            return self.refs[ref]
+        target: Any = self.root
+        for part in ref.removeprefix("#/").split("/") if ref.startswith("#/") else ():
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        if not ref.startswith("#/") or not isinstance(target, dict):
+            return "value"
+        name = self.refs[ref] = f"ref{len(self.refs)}"
+        self._rule(self.value(target), name)
+        return name
 
 
 def _gemma4_json(args: str) -> str:
-    """`{k:<|"|>v<|"|>,n:5}` -> '{"k": "v", "n": 5}' (raises ValueError when it is not that shape)."""
+    """Gemma 4 arguments `{k:<|"|>v<|"|>,n:5}` (or the part of them written so far) -> JSON text
+    '{"k": "v", "n": 5}', read left to right: the text of a prefix is a prefix of the whole's text,
+    so streamed pieces add up to the final arguments. Keys are bare, strings raw between `<|"|>`;
+    blanks outside strings are dropped; numbers and literals pass as written (what the forced
+    grammar allows is JSON)."""
+    out: list[str] = []
+    containers: list[str] = []  # "{" / "[" open around the current position
+    expect_key = in_key = False
     parts = args.split(G4_QUOTE)
-    if len(parts) % 2 == 0:
-        raise ValueError("unbalanced string delimiters")
-    out = []
     for i, part in enumerate(parts):
-        if i % 2:
-            out.append(json.dumps(part))
-        else:
-            out.append(re.sub(r'([{,]\s*)([A-Za-z_][\w\-]*)(\s*):', r'\1"\2"\3:', part))
-    return json.dumps(json.loads("".join(out)), ensure_ascii=False)
+        if i % 2:  # inside a string: opened by the quote before it, closed if a quote follows
+            out.append('"' + json.dumps(part, ensure_ascii=False)[1:-1] + ('"' if i + 1 < len(parts) else ""))
+            continue
+        for ch in part:
+            if in_key:
+                if ch == ":":
+                    out.append('": ')
+                    in_key = False
+                else:
+                    out.append(json.dumps(ch, ensure_ascii=False)[1:-1])
+            elif ch in " \t\r\n":
+                continue
+            elif ch in "{[":
+                containers.append(ch)
+                expect_key = ch == "{"
+                out.append(ch)
+            elif ch in "}]":
+                containers = containers[:-1]
+                expect_key = False
+                out.append(ch)
+            elif ch == ",":
+                expect_key = containers[-1:] == ["{"]
+                out.append(", ")
+            elif expect_key:
+                out.append('"' + json.dumps(ch, ensure_ascii=False)[1:-1])
+                expect_key, in_key = False, True
+            else:
+                out.append(ch)
+    return "".join(out)
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+_JSON = json.JSONDecoder()
+_BLANKS = " \t\r\n"
 
 
-def parse_gemma3(text: str) -> list[dict[str, Any]] | None:
-    """The calls in a Gemma 3 answer (a JSON call or list of calls, in a code fence or not, or a
-    pythonic list `[f(a=1)]`); None when the answer is not a call."""
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _BLANKS:
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value at text[i] ends, or None while it is not complete in `text` (a number
+    or literal that reaches the end of the text may still go on)."""
+    try:
+        _, end = _JSON.raw_decode(text, i)
+    except ValueError:
+        return None
+    return None if end == len(text) and text[i] not in '{["' else end
+
+
+def _json_call(text: str, i: int) -> tuple[str | None, str | None, int | None]:
+    """The call object at text[i] == "{" as far as written: (name once its string is complete,
+    the raw text of "arguments" / "parameters" so far, the object's end or None)."""
+    name = arguments = None
+    j = _skip(text, i + 1)
+    while j < len(text):
+        if text[j] == "}":
+            return name, arguments, j + 1
+        key_end = _value_end(text, j)
+        if key_end is None or text[j] != '"':
+            break
+        key = json.loads(text[j:key_end])
+        j = _skip(text, key_end)
+        if j >= len(text) or text[j] != ":":
+            break
+        j = _skip(text, j + 1)
+        end = _value_end(text, j)
+        if key in ("arguments", "parameters"):
+            arguments = text[j:end] if end is not None else text[j:].rstrip(_BLANKS)
+        elif key == "name" and end is not None:
+            value = json.loads(text[j:end])
+            name = value if isinstance(value, str) else None
+        if end is None:
+            break
+        j = _skip(text, end)
+        if j < len(text) and text[j] == ",":
+            j = _skip(text, j + 1)
+    return name, arguments, None
+
+
+def _json_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a Gemma 3 JSON answer as far as written, `[{"name": ..., "arguments": {...}}, ...]`
+    or one such object, in a code fence or not: [(name, raw arguments text so far)] for each call
+    whose name is complete (arguments "{}" when a complete call has none), read left to right so
+    that each call's arguments only grow; None when the answer does not start like that. Whatever
+    follows the calls is dropped."""
+    i = _skip(text, 0)
+    fence = re.match(r"```(?:json|tool_code)?[ \t]*\n", text[i:])
+    if fence:
+        i = _skip(text, i + fence.end())
+    if i >= len(text) or text[i] not in "[{":
+        return None
+    listed = text[i] == "["
+    i = _skip(text, i + 1) if listed else i
+    calls = []
+    while i < len(text) and text[i] == "{":
+        name, arguments, end = _json_call(text, i)
+        if name is not None:
+            calls.append((name, arguments if arguments is not None else ("{}" if end is not None else "")))
+        if end is None or not listed:
+            break
+        i = _skip(text, end)
+        if i >= len(text) or text[i] != ",":
+            break
+        i = _skip(text, i + 1)
+    return calls or None
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a complete pythonic Gemma 3 answer `[f(a=1), g()]` (in a code fence or not), with
+    JSON arguments; None when it is not one."""
     body = text.strip()
-    fence = re.fullmatch(r"```(?:json|python|tool_code)?\s*(.*?)\s*```", body, re.S)
+    fence = re.fullmatch(r"```(?:python|tool_code)?\s*(.*?)\s*```", body, re.S)
     if fence:
         body = fence.group(1)
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return _parse_pythonic(body)
-    items = value if isinstance(value, list) else [value]
-    if not items or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
-        return None
-    return [_call(c["name"], c.get("arguments", c.get("parameters", {}))) for c in items]
-
-
-def _parse_pythonic(body: str) -> list[dict[str, Any]] | None:
     try:
         tree = ast.parse(body, mode="eval").body
     except SyntaxError:
@@ -165,7 +366,7 @@ def _parse_pythonic(body: str) -> list[dict[str, Any]] | None:
             args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
         except ValueError:
             return None
-        calls.append(_call(node.func.id, args))
+        calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
     return calls or None
 
 
@@ -176,14 +377,14 @@ class OutputParser:
         self.tok, self.tools, self.reasoning = tokenizer, tools, reasoning
         self.fmt = call_format(tokenizer)
         self.skip = skip_special_tokens
-        ids = lambda names: {tokenizer.token_to_id(n) for n in names} - {None}  # noqa: E731
-        self.markers = ids((G4_CALL_OPEN, G4_CALL_CLOSE, CHANNEL_OPEN, CHANNEL_CLOSE))
         self.sent = {"reasoning": "", "content": ""}
-        self.calls_sent = 0
-        self.reasoning_text, self.content, self.calls = "", "", []
+        self.reasoning_text, self.content = "", ""
+        self.calls: list[tuple[str, str]] = []  # (name, JSON arguments so far) per call, in order
+        self.call_ids: list[str] = []  # one id per call, given when its name is first seen
+        self.arguments_sent: list[int] = []  # characters of each call's arguments sent so far
 
     def _split(self, ids: list[int], final: bool) -> None:
-        """reasoning_text, content and complete calls of the ids so far."""
+        """reasoning_text, content and the calls of the ids so far."""
         tok = self.tok
         full = tok.decode(ids, skip_special_tokens=False)
         reasoning, rest = "", full
@@ -198,41 +399,34 @@ class OutputParser:
                 rest = ""
         calls = []
         if self.tools and self.fmt == "gemma4":
-            pieces = []
-            position = 0
-            for m in re.finditer(re.escape(G4_CALL_OPEN) + r"call:([\w.\-]+)(\{.*?\})" + re.escape(G4_CALL_CLOSE), rest, re.S):
+            # Complete calls, and the one being written once its name is (its arguments so far).
+            pattern = (re.escape(G4_CALL_OPEN) + r"call:([\w.\-]+)(\{.*?\})" + re.escape(G4_CALL_CLOSE)
+                       + "|" + re.escape(G4_CALL_OPEN) + r"call:([\w.\-]+)(\{.*)\Z")
+            pieces, position = [], 0
+            for m in re.finditer(pattern, rest, re.S):
                 pieces.append(rest[position : m.start()])
-                try:
-                    args = _gemma4_json(m.group(2))
-                except ValueError:
-                    args = m.group(2)
-                calls.append((m.group(1), args))
+                calls.append((m.group(1) or m.group(3), _gemma4_json(m.group(2) or m.group(4))))
                 position = m.end()
             tail = rest[position:]
-            if G4_CALL_OPEN in tail:  # a call still being written: hold it back
-                tail = tail[: tail.index(G4_CALL_OPEN)] if not final else tail
+            if G4_CALL_OPEN in tail and not final:  # a call whose name is still arriving: held back
+                tail = tail[: tail.index(G4_CALL_OPEN)]
             rest = "".join(pieces) + tail
         if self.skip:
             for marker in (CHANNEL_OPEN, CHANNEL_CLOSE, G4_CALL_OPEN, G4_CALL_CLOSE):
                 rest = rest.replace(marker, "")
             rest = _strip_specials(rest, tok)
         if self.tools and self.fmt == "gemma3":
+            calls = _json_calls(rest) or (_pythonic_calls(rest) if final else None) or []
             stripped = rest.lstrip()
-            if final:
-                parsed = parse_gemma3(rest)
-                if parsed is not None:
-                    self.calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parsed]
-                    self.reasoning_text, self.content = reasoning, ""
-                    return
-            elif stripped.startswith(("[", "{", "```")) or "```".startswith(stripped):
-                rest = ""  # maybe a call: nothing goes out until the answer is complete
-        self.reasoning_text, self.content = reasoning, rest
-        if calls or self.fmt == "gemma4":
-            self.calls = calls
+            if calls or (not final and (stripped.startswith(("[", "{", "```")) or "```".startswith(stripped))):
+                rest = ""  # calls, or maybe calls: no content goes out until the answer is complete
+        self.reasoning_text, self.content, self.calls = reasoning, rest, calls
 
     def update(self, ids: list[int], final: bool = False) -> dict[str, Any]:
         """What is new since the last call: {"reasoning_content": str, "content": str,
-        "tool_calls": [...]} (only the keys with something new)."""
+        "tool_calls": [...]} (only the keys with something new). A call's first entry carries its
+        index, id, type and name with the arguments so far; later entries only arguments pieces
+        (`{"index", "function": {"arguments"}}`), as vLLM streams them."""
         self._split(ids, final)
         delta: dict[str, Any] = {}
         for key, text in (("reasoning", self.reasoning_text), ("content", self.content)):
@@ -242,11 +436,20 @@ class OutputParser:
             if len(text) > len(sent) and text.startswith(sent):
                 delta["reasoning_content" if key == "reasoning" else "content"] = text[len(sent):]
                 self.sent[key] = text
-        new = self.calls[self.calls_sent:]
-        if new:
-            delta["tool_calls"] = [
-                {"index": self.calls_sent + i, **_call(name, args)} for i, (name, args) in enumerate(new)]
-            self.calls_sent = len(self.calls)
+        pieces = []
+        for index, (name, arguments) in enumerate(self.calls):
+            if not final:
+                arguments = arguments.rstrip("\ufffd")
+            if index == len(self.call_ids):
+                self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.arguments_sent.append(len(arguments))
+                pieces.append({"index": index, "id": self.call_ids[index], "type": "function",
+                               "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > self.arguments_sent[index]:
+                pieces.append({"index": index, "function": {"arguments": arguments[self.arguments_sent[index]:]}})
+                self.arguments_sent[index] = len(arguments)
+        if pieces:
+            delta["tool_calls"] = pieces
         return delta
 
     def message(self) -> dict[str, Any]:
@@ -255,7 +458,9 @@ class OutputParser:
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning_text or None
         if self.tools:
-            msg["tool_calls"] = [_call(name, args) for name, args in self.calls]
+            msg["tool_calls"] = [{"id": self.call_ids[i], "type": "function",
+                                  "function": {"name": name, "arguments": arguments}}
+                                 for i, (name, arguments) in enumerate(self.calls)]
         return msg
 
 

@@ -1,0 +1,273 @@
+"""Automatic prefix caching: prompt KV computed once is kept on the device and copied into the slot of
+any later request whose prompt starts with the same blocks (vLLM's automatic prefix caching, adapted
+to gemmax's slot cache, which keeps one contiguous row per request instead of pages).
+
+Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: chunk
+boundaries then fall on block boundaries, so the ring of a sliding layer holds whole blocks when a
+chunk ends, and the tail after the last full block is one chunk of the smallest bucket). Block i is
+keyed by sha256(key of block i - 1, its tokens), the chain starting from the request's `cache_salt`:
+a key names the whole prefix up to and including its block, and two tenants with different salts
+never share one. Only full blocks are cached. sha256 rather than Python's `hash`: a collision would
+hand one prompt another's KV, and a tenant could search for one.
+
+The store (`pool`) is a `KVCache` of `capacity` entries allocated once on the device, one entry per
+block: full layers keep the block's `block` positions; sliding layers keep its last min(block, ring)
+positions, the only ones a later window can need. Entries are evicted least recently used under the
+byte budget. Device-side, not host-side: a hit is then one on-device gather / scatter at memory
+bandwidth with nothing crossing PCIe, and storing a block never waits for the host; on CPU the two
+are the same memory anyway.
+
+What a hit of m blocks (n = m * block tokens) needs, and where it goes in the slot's row:
+- full layers: positions 0 .. n-1, at slot p;
+- sliding layers: only the last window, positions max(0, n - S) .. n-1, at slot p % S (S = ring
+  slots); older positions a window can no longer see are neither needed nor written;
+- KV-sharing layers have no cache of their own (they read their donor's): nothing to store.
+A sliding layer's part of a block can only be saved while the ring still holds it: it is taken right
+after the prefill chunk that completes the block, when the ring holds the last S positions written
+(`store`). Prefill with the cache on therefore uses chunks no longer than the ring where a bucket
+allows and ends a chunk at the prompt's last block boundary (`plan_cached_chunks`), so every block,
+the last full one included, can keep its sliding part. A lookup takes the longest chain of cached
+blocks whose needed sliding parts are all present, and always leaves at least one prompt token to
+prefill (its logits give the first generated token).
+
+Compiled shapes: the copies are jitted per block-count bucket (powers of two, capped at max_len /
+block), compiled lazily on first use rather than at warm-up (start-up time matters more than the
+first hit's compile of a small gather / scatter); a request that compiled one reports
+`uncompiled_shape`. The prefill chunks after a hit use only the warmed prefill shapes (tested).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gemmax.engine.shapes import plan_chunks
+from gemmax.model.config import ModelConfig
+from gemmax.model.kv_cache import KVCache, cache_slots, init_cache
+from gemmax.model.params import count_bytes
+
+
+def block_keys(tokens, block: int, salt: str | None = None) -> list[bytes]:
+    """The key of each full block of `tokens`: sha256 over the previous key and the block's ids, the
+    chain rooted at the salt (None and "" are distinct tenants from every named salt)."""
+    parent = hashlib.sha256(b"gemmax-prefix\0" + (b"" if salt is None else b"salt\0" + salt.encode())).digest()
+    ids = np.asarray(tokens, np.int32)
+    keys = []
+    for i in range(len(ids) // block):
+        parent = hashlib.sha256(parent + ids[i * block : (i + 1) * block].tobytes()).digest()
+        keys.append(parent)
+    return keys
+
+
+def plan_cached_chunks(start: int, prompt_len: int, block: int, buckets: tuple[int, ...],
+                       ring: int | None) -> list[tuple[int, int]]:
+    """[(real tokens, bucket)] prefilling positions start .. prompt_len - 1 (`start` a block boundary):
+    up to the last block boundary in chunks no longer than the smallest sliding ring `ring` (when a
+    bucket is that small; else the smallest bucket), then the tail in its own chunk, so that each
+    chunk ends on a block boundary with the ring still holding what it must save (module docstring)."""
+    aligned = max(prompt_len // block * block, start)
+    within = tuple(b for b in buckets if ring is None or b <= ring) or buckets[:1]
+    plan = plan_chunks(aligned - start, within) if aligned > start else []
+    return plan + (plan_chunks(prompt_len - aligned, buckets) if prompt_len > aligned else [])
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _padded(values: list[int], size: int, fill: int) -> jax.Array:
+    return jnp.asarray(values + [fill] * (size - len(values)), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block"), donate_argnames=("pool",))
+def _store(pool: KVCache, cache: KVCache, slot, blocks, entries, sliding_entries, *, config: ModelConfig, block: int):
+    """Copy blocks `blocks` [k] (block numbers in the prompt) of row `slot` of `cache` into pool entries
+    `entries` [k] (full layers) and `sliding_entries` [k] (sliding layers); an entry out of range
+    (capacity) skips that part."""
+    layers = []
+    for spec, kept, row in zip(config.layers, pool.layers, cache.layers, strict=True):
+        if kept is None:
+            layers.append(None)
+            continue
+        width = kept.slots  # positions of a block this layer keeps: its last `width`
+        positions = blocks[:, None] * block + (block - width) + jnp.arange(width)[None, :]  # [k, width]
+        at = positions % row.slots  # full layers: positions < max_len = slots
+        target = sliding_entries if spec.sliding_window else entries
+        layers.append(jax.tree.map(lambda p, c: p.at[target].set(c[slot, at], mode="drop"), kept, row))  # noqa: B023
+    return KVCache(tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block"), donate_argnames=("cache",))
+def _load(cache: KVCache, pool: KVCache, slot, entries, sliding_entries, count, *, config: ModelConfig, block: int):
+    """Write pool entries `entries` [k] (blocks 0 .. k-1 of a prompt; those from `count` on are
+    padding) into row `slot` of `cache` as the prompt's first count * block positions: on full layers
+    at slot p, as one contiguous update of slots 0 .. k * block - 1 (k * block <= max_len; the padding
+    blocks land past the cached length, where stale slots always are: never read, and overwritten
+    by the prefill or decode of those positions before they are); on sliding layers only the last
+    ring's worth, scattered to p % S. The contiguous update measured 7 ms against 23 ms for a
+    scatter of a 1,504-token hit of the built-in model on CPU."""
+    tokens = count * block
+    k = entries.shape[0]
+    layers = []
+    for spec, kept, row in zip(config.layers, pool.layers, cache.layers, strict=True):
+        if kept is None:
+            layers.append(None)
+        elif not spec.sliding_window:
+            layers.append(jax.tree.map(
+                lambda c, p: lax.dynamic_update_slice(c, p[entries].reshape(1, k * block, *p.shape[2:]),
+                                                      (slot,) + (0,) * (c.ndim - 1)), row, kept))
+        else:
+            width = kept.slots  # the block's last `width` positions
+            positions = jnp.arange(k)[:, None] * block + (block - width) + jnp.arange(width)[None, :]  # [k, width]
+            wanted = (positions < tokens) & (positions >= tokens - row.slots)
+            at = jnp.where(wanted, positions % row.slots, row.slots)  # out of range: dropped
+            layers.append(jax.tree.map(lambda c, p: c.at[slot, at].set(p[sliding_entries], mode="drop"),  # noqa: B023
+                                       row, kept))
+    return KVCache(tuple(layers))
+
+
+@dataclasses.dataclass
+class _Entry:
+    index: int  # pool entry
+    sliding: bool  # holds the sliding layers' part of the block too
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix of one prompt: its first `blocks` blocks, from these pool entries."""
+
+    blocks: int
+    tokens: int
+    entries: tuple[int, ...]
+    sliding_entries: tuple[int, ...]  # per block; 0 where the block's sliding part is not needed
+
+
+class PrefixCache:
+    """The block index (host) and the pool (device) of one engine. Only the engine thread changes it;
+    `stats` and `used_bytes` may be read from any thread (plain int reads)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, block: int, budget_bytes: int, kv_dtype):
+        self.config, self.max_len, self.block, self.budget_bytes = config, max_len, block, budget_bytes
+        self.block_bytes = count_bytes(jax.eval_shape(lambda: init_cache(config, 1, block, kv_dtype)))
+        self.capacity = budget_bytes // self.block_bytes if self.block_bytes else 0
+        # Sliding rings, slots per row (a window at least max_len long never wraps; it is a ring all the same).
+        self.rings = tuple(cache_slots(spec, max_len) for spec in config.layers if spec.owns_kv and spec.sliding_window)
+        self.pool = init_cache(config, self.capacity, block, kv_dtype)
+        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
+        self._free = list(range(self.capacity))
+        self.hits = self.misses = self.cached_tokens = self.queried_tokens = self.evicted_bytes = 0
+
+    @property
+    def ring(self) -> int | None:
+        """The smallest sliding ring (None: no sliding layer owns a cache)."""
+        return min(self.rings, default=None)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._entries) * self.block_bytes
+
+    def describe(self) -> dict[str, int]:
+        return {"block_tokens": self.block, "budget_bytes": self.budget_bytes, "block_bytes": self.block_bytes,
+                "capacity_blocks": self.capacity}
+
+    def stats(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "cached_tokens": self.cached_tokens,
+                "queried_tokens": self.queried_tokens, "evicted_bytes": self.evicted_bytes,
+                "used_bytes": self.used_bytes, "budget_bytes": self.budget_bytes, "blocks": len(self._entries)}
+
+    def keys(self, tokens, salt: str | None) -> list[bytes]:
+        return block_keys(tokens, self.block, salt)
+
+    def plan(self, start: int, prompt_len: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+        return plan_cached_chunks(start, prompt_len, self.block, buckets, self.ring)
+
+    # -------------------------------------------------------------------------------------- lookup
+    def _needs_sliding(self, blocks: int) -> range:
+        """The blocks whose sliding part a hit of `blocks` blocks needs (the last ring's worth)."""
+        if not self.rings:
+            return range(0)
+        return range(max(0, blocks * self.block - max(self.rings)) // self.block, blocks)
+
+    def lookup(self, keys: list[bytes], prompt_len: int) -> PrefixHit:
+        """The longest usable cached prefix (leaving at least one token to prefill); counts the query."""
+        limit = min(len(keys), (prompt_len - 1) // self.block)
+        chain = 0
+        while chain < limit and keys[chain] in self._entries:
+            chain += 1
+        blocks = next((m for m in range(chain, 0, -1)
+                       if all(self._entries[keys[i]].sliding for i in self._needs_sliding(m))), 0)
+        for key in reversed(keys[:blocks]):  # the chain's first block ends most recently used
+            self._entries.move_to_end(key)
+        self.queried_tokens += prompt_len
+        self.hits += blocks > 0
+        self.misses += blocks == 0
+        self.cached_tokens += blocks * self.block
+        needed = set(self._needs_sliding(blocks))
+        return PrefixHit(blocks=blocks, tokens=blocks * self.block,
+                         entries=tuple(self._entries[k].index for k in keys[:blocks]),
+                         sliding_entries=tuple(self._entries[k].index if i in needed else 0
+                                               for i, k in enumerate(keys[:blocks])))
+
+    def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
+        """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
+        size = min(_bucket(hit.blocks), self.max_len // self.block)  # padded blocks fit the full layers' rows
+        before = _load._cache_size()
+        cache = _load(cache, self.pool, jnp.int32(slot), _padded(list(hit.entries), size, 0),
+                      _padded(list(hit.sliding_entries), size, 0), jnp.int32(hit.blocks),
+                      config=self.config, block=self.block)
+        return cache, _load._cache_size() != before
+
+    # -------------------------------------------------------------------------------------- store
+    def _saves_sliding(self, index: int, written: int) -> bool:
+        """Whether every ring still holds block `index`'s kept positions once `written` are prefilled."""
+        end = (index + 1) * self.block
+        return all(end - min(self.block, ring) >= written - ring for ring in self.rings)
+
+    def _allocate(self, pinned: set[bytes]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = next((key for key in self._entries if key not in pinned), None)
+        if victim is None:
+            return None
+        self.evicted_bytes += self.block_bytes
+        return self._entries.pop(victim).index
+
+    def store(self, cache: KVCache, slot: int, keys: list[bytes], written: int) -> bool:
+        """Save the blocks of row `slot` complete after `written` prefilled tokens that are not cached
+        yet (or lack the sliding part the ring still holds); returns whether a copy shape compiled."""
+        blocks, entries, sliding = [], [], []
+        pinned = set(keys)  # never evict this prompt's own blocks to make room for its later ones
+        for index, key in enumerate(keys[: written // self.block]):
+            saves = self._saves_sliding(index, written)
+            entry = self._entries.get(key)
+            if entry is None:
+                place = self._allocate(pinned)
+                if place is None:
+                    break
+                entry = self._entries[key] = _Entry(place, saves)
+                blocks.append(index)
+                entries.append(place)
+                sliding.append(place if saves else self.capacity)
+            elif saves and not entry.sliding:
+                entry.sliding = True
+                blocks.append(index)
+                entries.append(self.capacity)
+                sliding.append(entry.index)
+        for key in reversed(keys[: written // self.block]):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+        if not blocks:
+            return False
+        size = _bucket(len(blocks))
+        before = _store._cache_size()
+        self.pool = _store(self.pool, cache, jnp.int32(slot), _padded(blocks, size, 0),
+                           _padded(entries, size, self.capacity), _padded(sliding, size, self.capacity),
+                           config=self.config, block=self.block)
+        return _store._cache_size() != before

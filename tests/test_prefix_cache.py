@@ -1,0 +1,151 @@
+"""Prefix caching in the batching engine (gemmax.engine.prefix_cache) on the tiny Gemma 4 config with
+sliding layers (window 4, shorter than every prompt here) and KV sharing: a request whose prompt
+starts with cached blocks gives exactly the tokens and logprobs of the same request prefilled from
+scratch through the same engine (a salt no other request uses: nothing to share), with prefixes
+shared over partial blocks, single blocks and whole prompts, under a budget that evicts, and
+`cached_tokens` is what the block arithmetic says. A copy that put one position in the wrong slot
+(full or ring) changes the logprobs of every later token, so the logprob check catches it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gemmax.engine.api import GenerationRequest, InvalidRequest
+from gemmax.engine.engine import BatchEngine
+from gemmax.engine.loading import load_model
+from gemmax.engine.prefix_cache import PrefixCache, block_keys, plan_cached_chunks
+from gemmax.engine.shapes import ShapePlan
+
+BLOCK = 8  # the engine's smallest prefill bucket
+BASE_LEN = 70  # 8 full blocks + 6 tokens; the sliding window is 4
+
+
+@pytest.fixture(scope="module")
+def engine(hf_checkpoints):
+    loaded = load_model(str(hf_checkpoints["g4_shared"][0]), "float32")
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(BLOCK, 32), steps_per_dispatch=3,
+                      prefix_cache_bytes=1 << 20).start()
+    assert eng.wait_ready(300)
+    assert eng.prefix_cache.block == BLOCK and eng.prefix_cache.ring == 4
+    yield eng
+    eng.shutdown(drain_timeout=5)
+
+
+def _tokens(rng, n):
+    return tuple(int(t) for t in rng.integers(3, 128, n))
+
+
+def _request(prompt, max_tokens, salt=None):
+    return GenerationRequest(prompt, max_tokens=max_tokens, ignore_eos=True, logprobs=1, cache_salt=salt)
+
+
+def _results(engine, requests):
+    """Submit all at once (they share the 3 slots); [(result, logprobs)] in order."""
+    handles = [engine.submit(r) for r in requests]
+    out = []
+    for h in handles:
+        logprobs = [event.logprob for event in h]
+        out.append((h.result, logprobs))
+    return out
+
+
+def _same(got, want):
+    (result, logprobs), (ref, ref_logprobs) = got, want
+    assert result.token_ids == ref.token_ids
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-5)
+
+
+def test_block_keys_name_the_whole_prefix_and_its_salt():
+    rng = np.random.default_rng(0)
+    a = _tokens(rng, 40)
+    b = a[:20] + tuple((t + 1) % 128 for t in a[20:])  # differs from block 2 (tokens 16..23) on
+    ka, kb = block_keys(a, BLOCK), block_keys(b, BLOCK)
+    assert len(ka) == 5 and block_keys(a[:23], BLOCK) == ka[:2]  # only full blocks
+    assert ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:], strict=True))
+    assert not set(block_keys(a, BLOCK, "t1")) & set(ka) and not set(block_keys(a, BLOCK, "t1")) & set(block_keys(a, BLOCK, "t2"))
+
+
+def test_cached_chunks_end_on_block_boundaries_within_the_ring():
+    # ring 512, the default buckets: chunks of at most 512 up to the last block boundary, then the tail
+    for start in (0, 96, 1024):
+        plan = plan_cached_chunks(start, 1500, 32, (32, 128, 512, 2048), 512)
+        ends = np.cumsum([start] + [real for real, _ in plan])
+        assert ends[-1] == 1500 and ends[-2] == 1472 and all(e % 32 == 0 for e in ends[:-1])
+        assert all(real <= 512 and bucket in (32, 128, 512) for real, bucket in plan)
+    assert plan_cached_chunks(64, 64 + 5, BLOCK, (BLOCK, 32), 4) == [(5, 8)]
+
+
+def test_cached_chunk_plans_need_only_warmed_prefill_shapes():
+    """Every (bucket, KV bound) a cached prefill can run (any cached block count, any prompt length)
+    is one the warm-up compiles for plain prefill: a hit never pays a prefill compilation."""
+    plan = ShapePlan.create(2048, 1, (32, 128, 512))
+    warmed = set(plan.prefill_shapes())
+    for length in range(1, 2048, 7):
+        for start in range(0, length, 32):
+            position = start
+            for real, bucket in plan_cached_chunks(start, length, 32, plan.buckets, 512):
+                assert (bucket, plan.kv_bound(position)) in warmed, (length, start, position, bucket)
+                position += real
+
+
+def test_cached_prefixes_decode_exactly_like_a_fresh_prefill(engine):
+    """Prefixes shared over 1 token, part of a block, exactly one block, many blocks, the whole prompt;
+    the references first (each under its own salt: prefilled from scratch), then the base prompt,
+    then every variant at once (3 slots, mixed lengths and budgets)."""
+    rng = np.random.default_rng(1)
+    base = _tokens(rng, BASE_LEN)
+    shared = [1, 7, 8, 9, 15, 16, 21, 33, 40, 47, 56, 64, 69, 70]
+    variants = [base[:s] + _tokens(rng, int(rng.integers(0 if s == BASE_LEN else 1, 96 - 12 - s)))[: 80 - s]
+                for s in shared]
+    budgets = [int(rng.integers(4, 13)) for _ in variants]
+    refs = _results(engine, [_request(p, n, salt=f"ref-{i}") for i, (p, n) in enumerate(zip(variants, budgets, strict=True))])
+    assert all(r.cached_tokens == 0 for r, _ in refs)
+    base_result = _results(engine, [_request(base, 6)])[0][0]
+    assert base_result.cached_tokens == 0
+    got = _results(engine, [_request(p, n) for p, n in zip(variants, budgets, strict=True)])
+    for s, p, g, want in zip(shared, variants, got, refs, strict=True):
+        # the base stored its 8 full blocks; a hit leaves at least one prompt token to prefill
+        expected = BLOCK * min(s // BLOCK, (len(p) - 1) // BLOCK, BASE_LEN // BLOCK)
+        assert g[0].cached_tokens == expected, (s, len(p))
+        _same(g, want)
+    stats = engine.stats().prefix_cache
+    assert stats["hits"] >= sum(s >= BLOCK for s in shared) and stats["evicted_bytes"] == 0
+
+
+def test_cache_salt_isolates_tenants(engine):
+    prompt = _tokens(np.random.default_rng(2), 40)
+    cached = [_results(engine, [_request(prompt, 3, salt)])[0][0].cached_tokens
+              for salt in ("alice", "alice", "bob", None, "bob")]
+    assert cached == [0, 32, 0, 0, 32]
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        engine.submit(_request(prompt, 3, ""))
+
+
+def test_a_blocks_ring_part_is_saved_only_while_the_ring_holds_it(engine):
+    """Ring of 4, blocks of 8: block 0 keeps positions 4..7, in the ring until the 9th token is written."""
+    saves = engine.prefix_cache._saves_sliding
+    assert saves(0, 8) and not saves(0, 9) and saves(1, 16) and not saves(1, 17)
+
+
+def test_eviction_under_a_tiny_budget_keeps_outputs_exact(engine):
+    """A pool of 5 blocks: prompts of 4-9 blocks evict each other's blocks (and a prompt never evicts
+    its own earlier blocks); every output still equals its fresh prefill."""
+    rng = np.random.default_rng(3)
+    base = _tokens(rng, 60)
+    prompts = [base, base[:44] + _tokens(rng, 20), _tokens(rng, 75), base[:50] + _tokens(rng, 9), base]
+    refs = _results(engine, [_request(p, 5, salt=f"evict-{i}") for i, p in enumerate(prompts)])
+    roomy = engine.prefix_cache
+    tiny = PrefixCache(engine.config, engine.max_model_len, BLOCK, 5 * roomy.block_bytes, engine.precision.kv_cache)
+    engine.prefix_cache = tiny  # the engine is idle between requests: swapped for this test only
+    try:
+        got = [_results(engine, [_request(p, 5)])[0] for p in prompts]  # one at a time: a known order
+    finally:
+        engine.prefix_cache = roomy
+    for g, want in zip(got, refs, strict=True):
+        _same(g, want)
+    # base keeps its first 5 blocks (its later ones would evict its own); prompt 1 reuses them and
+    # stores nothing (every entry is its own prefix); prompt 2 shares nothing and evicts them all;
+    # prompt 3 shares 6 blocks with base but finds none, and stores base's first 5 again; base finds them.
+    assert [g[0].cached_tokens for g in got] == [0, 40, 0, 0, 40]
+    assert tiny.stats()["evicted_bytes"] > 0 and tiny.used_bytes <= tiny.budget_bytes
