@@ -9,8 +9,6 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 PINS ?=  # e.g. "jax==0.10.2 jaxlib==0.10.2": CI pins the oldest supported jax
 PY_NEWEST ?= python3.13
-# pytest-xdist workers for `make test` (pyproject.toml says why two)
-TEST_WORKERS ?= 2
 SMOKE_VENV ?= .venv-smoke
 SMOKE_TESTS = tests/test_policy.py \
 	tests/test_fastpath.py::test_gemv_fusion_limit_is_where_we_split \
@@ -38,7 +36,7 @@ lint: install-test
 	$(BIN)/lint-imports
 
 test: install-test lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q
 
 smoke:
 	rm -rf $(SMOKE_VENV)

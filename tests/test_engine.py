@@ -305,15 +305,15 @@ def test_kv_buckets_cover_max_model_len():
 
 
 def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
-    """max_model_len 600: KV buckets (256, 600); a 300-token prompt prefills in chunks of 128 whose later
-    starts read the 600 bucket, and decode crosses from the 256 to the 600 bucket. Every request's
+    """max_model_len 320: KV buckets (256, 320); a 290-token prompt prefills in chunks of 128 whose later
+    starts read the 320 bucket, and decode crosses from the 256 to the 320 bucket. Every request's
     tokens equal the solo path and nothing compiles after warm-up."""
     loaded = load_model(str(hf_checkpoints["g4_plain"][0]), "float32")
-    eng = BatchEngine(loaded, max_model_len=600, max_batch=2, buckets=(16, 128), steps_per_dispatch=4).start()
+    eng = BatchEngine(loaded, max_model_len=320, max_batch=2, buckets=(16, 128), steps_per_dispatch=4).start()
     try:
         assert eng.wait_ready(300)
-        assert eng.shapes.kv_buckets == (256, 600)
-        prompts = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (300, 250)]
+        assert eng.shapes.kv_buckets == (256, 320)
+        prompts = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (290, 250)]
         handles = [eng.submit(GenerationRequest(p, 20, ignore_eos=True)) for p in prompts]
         for prompt, handle in zip(prompts, handles, strict=True):
             result = handle.wait()
