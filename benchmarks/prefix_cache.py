@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import socket
@@ -31,6 +30,8 @@ import time
 import uuid
 
 import httpx
+
+from gemmax.rigs.registry import wait_healthy
 
 WORDS = ["river", "mountain", "signal", "copper", "lantern", "orbit", "quiet", "harvest", "marble", "window", "thunder", "pepper", "garden", "engine", "violet", "compass", "shadow", "ladder", "ember", "frost", "meadow", "canyon", "silver", "rocket", "anchor", "puzzle"]
 
@@ -47,17 +48,12 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            str(args.max_model_len), "--max-batch", str(args.max_batch), "--log-level", "warning", *args.serve_args]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + args.ready_timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"gemmax serve exited with status {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        if time.time() > deadline:
-            proc.kill()
-            raise SystemExit("gemmax serve did not become ready")
-        time.sleep(0.5)
+    try:
+        wait_healthy(url, args.ready_timeout, proc)
+    except (RuntimeError, TimeoutError) as exc:
+        proc.kill()
+        raise SystemExit(f"gemmax serve did not become ready: {exc}") from None
+    return proc, url
 
 
 def text_of(client: httpx.Client, tokens: int, rng: random.Random) -> str:

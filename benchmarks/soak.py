@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from gemmax.rigs.registry import wait_healthy
+
 PROMPTS = [
     "The capital of France is", "Write one sentence about the sea.", "List three colours:",
     "Once upon a time", "The quick brown fox", "def fibonacci(n):", "Water boils at",
@@ -213,17 +215,12 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + args.ready_timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"gemmax serve exited with status {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        if time.time() > deadline:
-            proc.kill()
-            raise SystemExit("gemmax serve did not become ready")
-        time.sleep(0.5)
+    try:
+        wait_healthy(url, args.ready_timeout, proc)
+    except (RuntimeError, TimeoutError) as exc:
+        proc.kill()
+        raise SystemExit(f"gemmax serve did not become ready: {exc}") from None
+    return proc, url
 
 
 def main() -> int:
