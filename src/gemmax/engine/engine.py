@@ -666,9 +666,7 @@ class BatchEngine:
         if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
             return
         steps = self.steps_per_dispatch
-        # Every active row's cached length stays below its position + steps during this dispatch.
-        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + steps
-        kv_len = self.shapes.kv_bound(furthest)
+        kv_len = self._kv_bound_after(steps)
         if constrained:
             self._decode_constrained(steps, rows, slot_of, kv_len)
         else:  # the mask-free step: no row waits for the host's masks
@@ -676,18 +674,29 @@ class BatchEngine:
                 self._deliver(out, slot_of)  # each step's tokens go out while the device runs the next
         self._reap_cancelled()
 
+    def _kv_bound_after(self, tokens: int) -> int:
+        """The KV-length bucket that holds every running row's cache after `tokens` more positions
+        are written (each row's cached length now is its prompt and output less the last token)."""
+        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None)
+        return self.shapes.kv_bound(furthest + tokens)
+
     def _deliver(self, out, slot_of) -> None:
         """Fetch one step's outputs (waiting for the step) and hand each active row its token."""
         ids, lps, top_ids, top_lps, active = jax.device_get(out)
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
-            if self._slots[i] is None or not active[j]:
-                continue
-            try:
-                self._accept(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
-            except Exception as exc:  # delivering this request's token failed: end it alone
-                log.exception("request %s failed", self._slots[i].handle.request_id)
-                self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+            if self._slots[i] is not None and active[j]:
+                self._hand(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+
+    def _hand(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
+        """`_accept` one token for slot i; a failure delivering it ends that request alone. Returns
+        True if the request goes on."""
+        try:
+            return self._accept(i, token, lp, top_ids, top_lps, now)
+        except Exception as exc:
+            log.exception("request %s failed", self._slots[i].handle.request_id)
+            self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+            return False
 
     def _speculative_dispatch(self, slot_of) -> bool:
         """One verify step of the group `slot_of` when some row in it speculates and has proposals;
@@ -712,8 +721,7 @@ class BatchEngine:
         table, counts = np.zeros((len(slot_of), k), np.int32), np.zeros(len(slot_of), np.int32)
         for j, proposed in proposals.items():
             table[j, : len(proposed)], counts[j] = proposed, len(proposed)
-        furthest = max(len(s.request.prompt_ids) + len(s.tokens) - 1 for s in self._slots if s is not None) + k + 1
-        out = self._dispatch_verify(np.asarray(slot_of, np.int32), table, counts, self.shapes.kv_bound(furthest))
+        out = self._dispatch_verify(np.asarray(slot_of, np.int32), table, counts, self._kv_bound_after(k + 1))
         drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
@@ -723,12 +731,7 @@ class BatchEngine:
             if j in proposals:
                 slot.speculation.observe(int(counts[j]), int(accepted[j]), len(slot.tokens) + int(accepted[j]) + 1)
             for t in range(int(accepted[j]) + 1):  # only a row's first token can carry logprobs (no proposals)
-                try:
-                    if not self._accept(i, int(drawn[j, t]), float(lps[j]), top_ids[j], top_lps[j], now):
-                        break
-                except Exception as exc:  # delivering this request's token failed: end it alone
-                    log.exception("request %s failed", self._slots[i].handle.request_id)
-                    self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+                if not self._hand(i, int(drawn[j, t]), float(lps[j]), top_ids[j], top_lps[j], now):
                     break
         self._reap_cancelled()
         return True
