@@ -61,7 +61,7 @@ def vllm(
     """Run vLLM's OpenAI server for the same model and settings (extra arguments pass through to vLLM)."""
     from gemmax.rigs.vllm import (
         VllmSettings,
-        cpu_memory_fraction,
+        cpu_kv_cache_bytes,
         ensure_env,
         exec_vllm,
         vllm_command,
@@ -70,10 +70,11 @@ def vllm(
     )
 
     try:
-        settings = VllmSettings(model=model, port=port, host=host, dtype=dtype or vllm_dtype(),
-                                max_model_len=max_model_len,
+        dtype = dtype or vllm_dtype()
+        settings = VllmSettings(model=model, port=port, host=host, dtype=dtype, max_model_len=max_model_len,
                                 max_num_seqs=max_num_seqs, served_model_name=served_model_name, seed=seed,
-                                api_key=api_key, gpu_memory_utilization=cpu_memory_fraction(),
+                                api_key=api_key,
+                                kv_cache_memory_bytes=cpu_kv_cache_bytes(model, max_model_len, max_num_seqs, dtype),
                                 extra_args=tuple(ctx.args))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

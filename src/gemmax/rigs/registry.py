@@ -18,7 +18,7 @@ import httpx
 
 from gemmax.rigs.vllm import (
     VllmSettings,
-    cpu_memory_fraction,
+    cpu_kv_cache_bytes,
     ensure_env,
     vllm_available,
     vllm_command,
@@ -74,9 +74,11 @@ def _transformers(o: RigOptions) -> list[str]:
 
 
 def _vllm(o: RigOptions) -> list[str]:
-    return vllm_command(VllmSettings(model=o.model, port=o.port, host=o.host, dtype=o.dtype or vllm_dtype(),
+    dtype = o.dtype or vllm_dtype()
+    return vllm_command(VllmSettings(model=o.model, port=o.port, host=o.host, dtype=dtype,
                                      max_model_len=o.max_model_len, max_num_seqs=o.max_batch,
-                                     gpu_memory_utilization=cpu_memory_fraction()),
+                                     kv_cache_memory_bytes=cpu_kv_cache_bytes(o.model, o.max_model_len, o.max_batch,
+                                                                              dtype)),
                         python=vllm_python() or "python")
 
 

@@ -35,7 +35,8 @@ PYTHON_ENV = "GEMMAX_VLLM_PYTHON"
 MARKER = "gemmax_vllm_env.json"
 # the server module imports what it needs at start (transformers' image utilities import torchvision,
 # vLLM's audio media torchcodec, when they are installed)
-CPU_RESERVE_BYTES = 4 << 30  # what vLLM may reserve on CPU: enough for the 270M model or E2B-shaped 6 layers
+KV_FLOOR_BYTES = 256 << 20  # the smallest explicit CPU KV cache (block tables and rounding of tiny models)
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default where --max-num-seqs is not given
 CHECK = (f"import vllm, transformers, torch, {SERVER_MODULE}; "
          "print(vllm.__version__, transformers.__version__, torch.__version__)")
 
@@ -51,7 +52,7 @@ class VllmSettings:
     served_model_name: str | None = None
     seed: int = 0
     api_key: str | None = None
-    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None  # vLLM's explicit KV budget (the CPU backend: cpu_kv_cache_bytes)
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -73,8 +74,8 @@ def vllm_command(s: VllmSettings, python: str = "python") -> list[str]:
         argv += ["--served-model-name", s.served_model_name]
     if s.api_key is not None:
         argv += ["--api-key", s.api_key]
-    if s.gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
     return argv + list(s.extra_args)
 
 
@@ -98,14 +99,32 @@ def vllm_dtype() -> str:
     return "float16" if capability is not None and capability < 8.0 else "bfloat16"
 
 
-def cpu_memory_fraction() -> float | None:
-    """`--gpu-memory-utilization` for vLLM's CPU backend, where it is the fraction of the machine's
-    memory vLLM reserves (weights, KV cache, activations) and refuses to start when that much is not
-    free (its default, 0.92, never is on a shared machine): CPU_RESERVE_BYTES of it. None on a GPU."""
+def cpu_kv_cache_bytes(model: str, max_model_len: int | None, max_num_seqs: int | None,
+                       dtype: str = "bfloat16") -> int | None:
+    """`--kv-cache-memory-bytes` for vLLM's CPU backend; None on a GPU (vLLM sizes its cache there).
+
+    Without it the CPU worker takes `--gpu-memory-utilization` of the NUMA node's memory as its whole
+    budget, subtracts its own RSS after loading and profiling, and refuses to start when the rest is not
+    positive: a fixed fraction fits one model and not the next (4 GiB left -0.13 GiB of KV for the
+    E2B-shaped 6-layer checkpoint). The explicit budget is what the sequences can use: every layer's K
+    and V (the larger kv head count x the larger of head_dim and global_head_dim: an upper bound, sliding
+    layers included) for max_model_len x max_num_seqs tokens, at least KV_FLOOR_BYTES. A model that is not a local directory
+    with a config.json gets vLLM's own sizing."""
     if gpu_capability() is not None:
         return None
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return round(min(0.9, CPU_RESERVE_BYTES / total), 3)
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config") or config
+    heads = max(text.get("num_key_value_heads") or text.get("num_attention_heads", 1),
+                text.get("num_global_key_value_heads") or 0)
+    head_dim = max(text.get("head_dim") or 0, text.get("global_head_dim") or 0,
+                   text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1)))
+    element = 4 if dtype == "float32" else 2
+    per_token = text.get("num_hidden_layers", 1) * 2 * heads * head_dim * element
+    tokens = (max_model_len or text.get("max_position_embeddings", 8192)) * (max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+    return max(KV_FLOOR_BYTES, per_token * tokens)
 
 
 def env_dir() -> Path:
