@@ -66,6 +66,8 @@ def test_compare_uses_wire_figures_across_rigs(tmp_path):
         assert 0.8 < want < 1.25
         ttft = cell_b["ttft"]["median"] / cell_a["ttft"]["median"]
         assert row[cols.index("rigB/rigA TTFT")] == f"{ttft:.2f}x"
+        output = cell_b["output_throughput"] / cell_a["output_throughput"]
+        assert row[cols.index("rigB/rigA out tok/s")] == f"{output:.2f}x"
 
     result = runner.invoke(app, ["bench", "compare", str(a), str(b)])
     assert result.exit_code == 0, result.output

@@ -56,6 +56,8 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
     columns += [f"{label} TTFT ms" for label in labels]
     columns += [f"{label}/{base} tok/s" for label in labels[1:]]
     columns += [f"{label}/{base} TTFT" for label in labels[1:]]
+    columns += [f"{label} out tok/s" for label in labels]
+    columns += [f"{label}/{base} out tok/s" for label in labels[1:]]
     columns += [col for i in gauged for col in (f"{labels[i]} own gauge", f"{labels[i]} gauge/wire")]
     columns += [f"{labels[i]} $/M out" for i in priced]
 
@@ -70,6 +72,9 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
         row += [fmt_range(c["ttft"]) if c else "-" for c in cells]
         row += [_ratio(s, stream[0]) for s in stream[1:]]
         row += [_ratio(t, ttft[0]) for t in ttft[1:]]
+        output = [c.get("output_throughput") if c else None for c in cells]
+        row += [fmt(o) for o in output]
+        row += [_ratio(o, output[0]) for o in output[1:]]
         for i in gauged:
             c = cells[i]
             flagged = bool(c and c.get("gauge_resolution") and c["gauge_resolution"]["flagged"])
@@ -78,8 +83,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
         row += [fmt(cells[i].get("cost_per_million_output_tokens"), 3) if cells[i] else "-" for i in priced]
         rows.append(row)
 
-    notes = [f"tok/s = wire decode rate (1 / TPOT, as vllm bench serve), median (min-max) over repeats; "
-             f"ratios against {base}."]
+    notes = [f"tok/s = wire decode rate of a request (1 / TPOT, as vllm bench serve), median (min-max) over "
+             f"repeats; out tok/s = output tokens of the whole cell / its duration (what several users get "
+             f"together: a server that runs one request at a time keeps a high per-request rate and queues "
+             f"the rest in TTFT); ratios against {base}."]
     if gauged:
         notes.append("own gauge = that rig's server-reported decode rate, shown beside its own wire figure "
                      "only; gauges are never compared across rigs. '!' = gauge tick coarser than the "
