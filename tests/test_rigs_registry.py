@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from gemmax.cli import app
 from gemmax.rigs.registry import RIGS, RigOptions, get_rig
 from gemmax.rigs.vllm import (
+    KV_FLOOR_BYTES,
     SERVER_MODULE,
     VllmSettings,
     cpu_kv_cache_bytes,
@@ -52,7 +53,7 @@ def test_rig_vllm_cli_dry_run():
 
 
 @pytest.mark.parametrize("name", ["g4_shared", "g3_small"])
-def test_vllm_cpu_kv_budget_holds_the_cache_the_sequences_need(hf_checkpoints, name):
+def test_vllm_cpu_kv_budget_holds_the_cache_the_sequences_need(hf_checkpoints, name, tmp_path):
     """On CPU the rig gives vLLM an explicit KV budget for max_model_len x max_num_seqs tokens (a fixed
     memory fraction left -0.13 GiB of KV for the E2B-shaped checkpoint and vLLM refused to start): at
     least the cache gemmax itself allocates for the same model, lengths and dtype."""
@@ -63,12 +64,20 @@ def test_vllm_cpu_kv_budget_holds_the_cache_the_sequences_need(hf_checkpoints, n
 
     directory, _ = hf_checkpoints[name]
     config = ModelConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
-    for max_len, seqs, dtype, jdtype in ((512, 8, "bfloat16", jnp.bfloat16), (4096, 2, "float32", jnp.float32)):
+    # lengths where the budget is past KV_FLOOR_BYTES for these tiny models (the floor would hold anything)
+    for max_len, seqs, dtype, jdtype in ((65536, 64, "bfloat16", jnp.bfloat16), (32768, 32, "float32", jnp.float32)):
         budget = cpu_kv_cache_bytes(str(directory), max_len, seqs, dtype)
-        assert budget >= kv_cache_bytes(config, max_len, seqs, jdtype)
+        assert budget >= kv_cache_bytes(config, max_len, seqs, jdtype) and budget > KV_FLOOR_BYTES
         vllm = get_rig("vllm").command(RigOptions(model=str(directory), port=8301, dtype=dtype,
                                                   max_model_len=max_len, max_batch=seqs))
         assert int(flag(vllm, "--kv-cache-memory-bytes")) == budget
+    if name == "g4_shared":  # the older Gemma 4 config form: no per_layer_config, no global_head_dim (512)
+        hf = json.loads((directory / "config.json").read_text())
+        hf.pop("per_layer_config")
+        hf.pop("global_head_dim", None)
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        config = ModelConfig.from_hf_config(hf)
+        assert cpu_kv_cache_bytes(str(tmp_path), 65536, 64) >= kv_cache_bytes(config, 65536, 64, jnp.bfloat16)
     assert cpu_kv_cache_bytes("google/gemma-4-E2B-it", 4096, 8) is None  # not a local directory: vLLM sizes it
     assert "--kv-cache-memory-bytes" not in get_rig("vllm").command(RigOptions(model="/nowhere", port=8302))
 

@@ -107,8 +107,8 @@ def cpu_kv_cache_bytes(model: str, max_model_len: int | None, max_num_seqs: int 
     budget, subtracts its own RSS after loading and profiling, and refuses to start when the rest is not
     positive: a fixed fraction fits one model and not the next (4 GiB left -0.13 GiB of KV for the
     E2B-shaped 6-layer checkpoint). The explicit budget is what the sequences can use: every layer's K
-    and V (the larger kv head count x the larger of head_dim and global_head_dim: an upper bound, sliding
-    layers included) for max_model_len x max_num_seqs tokens, at least KV_FLOOR_BYTES. A model that is not a local directory
+    and V (the largest kv head count x the largest head_dim of any layer: an upper bound, sliding layers
+    included) for max_model_len x max_num_seqs tokens, at least KV_FLOOR_BYTES. A model that is not a local directory
     with a config.json gets vLLM's own sizing."""
     if gpu_capability() is not None:
         return None
@@ -117,10 +117,17 @@ def cpu_kv_cache_bytes(model: str, max_model_len: int | None, max_num_seqs: int 
         return None
     config = json.loads(config_path.read_text())
     text = config.get("text_config") or config
-    heads = max(text.get("num_key_value_heads") or text.get("num_attention_heads", 1),
-                text.get("num_global_key_value_heads") or 0)
-    head_dim = max(text.get("head_dim") or 0, text.get("global_head_dim") or 0,
-                   text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1)))
+    # Gemma 4's full layers override head_dim / kv heads: per_layer_config, or in older configs a flat
+    # global_head_dim (512 where left out, transformers' default) and num_global_key_value_heads.
+    gemma4 = str(text.get("model_type", config.get("model_type", ""))).startswith("gemma4")
+    overrides = list((text.get("per_layer_config") or {}).values())
+    if gemma4 and not overrides:
+        overrides = [{"head_dim": text.get("global_head_dim") or 512,
+                      "num_key_value_heads": text.get("num_global_key_value_heads") or 0}]
+    heads = max([text.get("num_key_value_heads") or text.get("num_attention_heads", 1)]
+                + [o.get("num_key_value_heads") or 0 for o in overrides])
+    head_dim = max([text.get("head_dim") or text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1))]
+                   + [o.get("head_dim") or 0 for o in overrides])
     element = 4 if dtype == "float32" else 2
     per_token = text.get("num_hidden_layers", 1) * 2 * heads * head_dim * element
     tokens = (max_model_len or text.get("max_position_embeddings", 8192)) * (max_num_seqs or DEFAULT_MAX_NUM_SEQS)
