@@ -206,7 +206,7 @@ def report(models: list[str], rigs: list[str], args: argparse.Namespace, header:
         missing = [name for name in rigs if name not in [r["label"] for r in runs]]
         lines += [f"## {model}: {MODELS[model]}", "", f"Checkpoint `{runs[0]['rig']['command'][runs[0]['rig']['command'].index('--model') + 1]}`.", ""]
         if missing:
-            lines += [f"Not run (the run was stopped before them): {', '.join(missing)}.", ""]
+            lines += [f"Not run on this model: {', '.join(missing)}.", ""]
         lines += ["| rig | launch to ready | prompt ids = transformers' | greedy tokens equal to transformers float32 "
                   "| degenerate | output |", "|---|---:|---|---:|---|---|"]
         for r in runs:
