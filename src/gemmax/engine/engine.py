@@ -2,7 +2,9 @@
 
 Device state: one KV cache with `max_batch` rows of `max_model_len` positions (sliding layers keep a
 ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
-compiled shapes are a small declared set, all compiled by `warm_up` before the engine reports ready:
+compiled shapes are a small declared set, all compiled ahead of time by `warm_up` before the engine
+reports ready, without running them, and kept on disk as executables that the next start loads
+(gemmax.engine.executables):
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
@@ -70,6 +72,7 @@ from gemmax.engine.api import (
     validate_request,
 )
 from gemmax.engine.degeneracy import check_degeneracy
+from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.prefix_cache import PrefixCache
@@ -92,6 +95,9 @@ from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
 
 log = logging.getLogger("gemmax.engine")
+
+# The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
+COMPILED_STEPS = ("prefill_step", "decode_step", "decode_rows", "decode_forward", "decode_sample", "verify_rows")
 
 
 def _replayed(method):
@@ -183,6 +189,8 @@ class BatchEngine:
             self.steps = mesh_steps(self.mesh, self.config, max_batch, max_model_len, self.precision)
             self.params = shard_params(self.params, self.config, self.mesh)
             log.info("%s", mesh_summary(mesh, self.config, self.mesh))
+        # Compiled ahead of time (gemmax.engine.executables): warm-up compiles without running.
+        self.steps = CompiledSteps(self.steps, COMPILED_STEPS)
         self.steps_per_dispatch = steps_per_dispatch
         # Process 0 of several (`gemmax.engine.schedule.Leader`): every device call is sent to the
         # others before it runs; None in one process.
@@ -364,42 +372,60 @@ class BatchEngine:
             self.prefix_cache = None
 
     def _warm_up(self) -> None:
-        """Run one throwaway request per prefill bucket through the real admission and decode path, so
-        every compiled shape (and every small helper kernel) exists before the first real request;
-        then compile the remaining shapes, and prefill the throwaway requests once more (below)."""
+        """Compile every declared shape ahead of time, several at once, without running any (a
+        2048-token prefill costs its full bucket whatever it holds); on one device each compiled step
+        is kept in the compile cache's executable store, so the next start loads it instead. Then one
+        throwaway request of the smallest bucket, twice, runs through the real admission and decode
+        path, compiling the small helper kernels a request uses (slot updates, sampling rows)."""
         with compile_cache.track(self.compile_cache_dir) as tracker:
             started = time.perf_counter()
+            if self.mesh is None and jax.process_count() == 1:
+                self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
-            self._throwaway_requests()
-            # Later chunks start past 0 and may read a larger KV bucket: compile every (bucket, KV bound)
-            # pair a prompt can need, each with a 1-token dummy chunk.
-            prefills = self.shapes.prefill_shapes()
-            for (bucket, _), start in prefills.items():
-                if start:
-                    self._run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1, True, False)
-            for size, kv_len in self.shapes.decode_shapes:  # all rows idle: nothing is written
-                self._dispatch_decode(1, self.want_logprobs,
-                                      None if size == self.max_batch else np.arange(size, dtype=np.int32), kv_len)
-                for k in self.spec_ks:
-                    self._dispatch_verify(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
-                                          np.zeros(size, np.int32), kv_len)
-            # Measured on CPU (built-in model): without this second round, the first real request's
-            # prefill took 0.5-0.7 s against 0.15-0.25 s for the next ones, though nothing compiled;
-            # a second run of each prefill shape removes it (the cause was not found).
-            self._throwaway_requests(max_tokens=1)
+            self._compile_declared()
+            compiled = time.perf_counter()
+            # Measured on CPU (built-in model): the first real request's prefill took 0.5-0.7 s against
+            # 0.15-0.25 s for the next ones, though nothing compiled; a second run of the shape removes it.
+            self._throwaway_requests(self.shapes.buckets[:1])
+            self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
         self._init_prefix_cache()
-        shapes = len(prefills) + len(self.shapes.decode_shapes) * (1 + len(self.spec_ks))
-        self.warmup_report = {"compile_seconds": seconds, "shapes": shapes, **tracker.summary()}
-        log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds, tracker.summary())
+        shapes = len(self._declared_calls())
+        executables = self.steps.summary()
+        tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
+        self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
+                              "ahead_of_time_seconds": round(compiled - started, 3), **tracker.summary(),
+                              **executables}
+        log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
+                 {**tracker.summary(), **executables})
         self._ready.set()
 
-    def _throwaway_requests(self, max_tokens: int | None = None) -> None:
-        """One request per prefill bucket, prefilled into slot 0 and decoded to its end (by default
+    def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
+        """(step, args, statics) of every declared shape, built as the device calls build them: every
+        (bucket, KV bound) pair a prompt's chunks can need, every (decode group, KV bound), and the
+        verify steps of speculative decoding."""
+        calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True, False))
+                 for (bucket, _), start in self.shapes.prefill_shapes().items()]
+        for size, kv_len in self.shapes.decode_shapes:
+            rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
+            calls.append(("decode_step" if rows is None else "decode_rows",
+                          *self._decode_args(jnp.asarray(self.want_logprobs), rows, kv_len)))
+            calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
+                                                         np.zeros(size, np.int32), kv_len))
+                      for k in self.spec_ks]
+        return calls
+
+    @_replayed
+    def _compile_declared(self) -> None:
+        """Compile (or load) every declared shape; each process of a mesh compiles its own."""
+        self.steps.compile_all(self._declared_calls())
+
+    def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
+        """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default
         through two decode dispatches and a bit)."""
-        for bucket in self.shapes.buckets:
+        for bucket in buckets:
             prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
             request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
                                         logprobs=1 if bucket == self.shapes.buckets[0] else None)
@@ -418,15 +444,33 @@ class BatchEngine:
         """Slot `slot`'s token, position or remaining budget (DeviceState.with_slot)."""
         self.device = self.device.with_slot(slot, **values)
 
+    def _prefill_args(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
+                      want_logprobs: bool, mask: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
+        return ((self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
+                 jnp.bool_(last_chunk), jnp.bool_(want_logprobs), None if mask is None else jnp.asarray(mask)),
+                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_bound(start)})
+
     @_replayed
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool, mask: np.ndarray | None = None):
-        before = self.steps.prefill_step._cache_size()
-        self.device, out = self.steps.prefill_step(
-            self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
-            jnp.bool_(last_chunk), jnp.bool_(want_logprobs), None if mask is None else jnp.asarray(mask),
-            config=self.config, precision=self.precision, kv_len=self.shapes.kv_bound(start))
-        return out, self.steps.prefill_step._cache_size() != before
+        before = self.steps.prefill_step.size()
+        args, statics = self._prefill_args(tokens, slot, start, num_new, last_chunk, want_logprobs, mask)
+        self.device, out = self.steps.prefill_step(*args, **statics)
+        return out, self.steps.prefill_step.size() != before
+
+    def _decode_args(self, want: jax.Array, rows: np.ndarray | None, kv_len: int) -> tuple[tuple, dict[str, Any]]:
+        """decode_step's (every slot: `rows` None) or decode_rows' arguments."""
+        statics = {"config": self.config, "precision": self.precision, "kv_len": kv_len,
+                   "row_invariant": self.batch_invariant}
+        if rows is None:
+            return (self.params, self.device, want), statics
+        return (self.params, self.device, want, jnp.asarray(rows, jnp.int32)), statics
+
+    def _verify_args(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray,
+                     kv_len: int) -> tuple[tuple, dict[str, Any]]:
+        return ((self.params, self.device, jnp.asarray(self.want_logprobs), jnp.asarray(rows, jnp.int32),
+                 jnp.asarray(proposals, jnp.int32), jnp.asarray(num_proposed, jnp.int32)),
+                {"config": self.config, "precision": self.precision, "kv_len": kv_len})
 
     @_replayed
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
@@ -438,16 +482,10 @@ class BatchEngine:
         outputs = []
         want = jnp.asarray(want_logprobs)
         kv_len = kv_len or self.max_model_len
+        step = self.steps.decode_step if rows is None else self.steps.decode_rows
         for _ in range(steps):
-            if rows is None:
-                self.device, out = self.steps.decode_step(self.params, self.device, want, config=self.config,
-                                                          precision=self.precision, kv_len=kv_len,
-                                                          row_invariant=self.batch_invariant)
-            else:
-                self.device, out = self.steps.decode_rows(self.params, self.device, want,
-                                                          jnp.asarray(rows, jnp.int32), config=self.config,
-                                                          precision=self.precision, kv_len=kv_len,
-                                                          row_invariant=self.batch_invariant)
+            args, statics = self._decode_args(want, rows, kv_len)
+            self.device, out = step(*args, **statics)
             outputs.append(out)
         return outputs
 
@@ -491,10 +529,8 @@ class BatchEngine:
     def _dispatch_verify(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray, kv_len: int):
         """Enqueue one verify step of the group `rows` (steps.verify_rows); its outputs per row of `rows`,
         as device arrays. `kv_len` must cover every active row's position + k + 1."""
-        self.device, out = self.steps.verify_rows(self.params, self.device, jnp.asarray(self.want_logprobs),
-                                                  jnp.asarray(rows, jnp.int32), jnp.asarray(proposals, jnp.int32),
-                                                  jnp.asarray(num_proposed, jnp.int32), config=self.config,
-                                                  precision=self.precision, kv_len=kv_len)
+        args, statics = self._verify_args(rows, proposals, num_proposed, kv_len)
+        self.device, out = self.steps.verify_rows(*args, **statics)
         return out
 
     def _decode_group(self) -> np.ndarray | None:

@@ -1,0 +1,90 @@
+"""The engine's steps compiled ahead of time (gemmax.engine.executables): warm-up compiles every
+declared shape without running it, keeps each as a serialised executable in the compile cache, and
+the next start loads them instead of compiling; a damaged entry is compiled anew. Outputs stay
+those of the plain solo path throughout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemmax.engine.api import GenerationRequest
+from gemmax.engine.engine import BatchEngine
+from gemmax.engine.executables import STORE_DIR, ExecutableStore, signature
+from gemmax.engine.generate import generate
+from gemmax.engine.loading import load_model
+from gemmax.engine.sampling import SamplingParams
+
+PROMPTS = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (5, 40)]  # 40: two chunks
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_checkpoints):
+    return load_model(str(hf_checkpoints["g4_shared"][0]), "float32")  # KV sharing and a sliding ring
+
+
+def _start(loaded, cache) -> BatchEngine:
+    return BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(8, 32), compile_cache_dir=str(cache),
+                       prefix_cache_bytes=0).start(background=False)
+
+
+def _serve(engine: BatchEngine) -> list[tuple[list[int], bool]]:
+    try:
+        handles = [engine.submit(GenerationRequest(p, max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        return [(list(r.token_ids), r.timings.uncompiled_shape) for r in (h.wait() for h in handles)]
+    finally:
+        engine.shutdown(1)
+
+
+def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, tmp_path):
+    ck = loaded.checkpoint
+    solo = [generate(ck.params, ck.config, list(p), 12, SamplingParams(), loaded.policy.precision(), stop_ids=())
+            for p in PROMPTS]
+    served = []
+
+    def start():
+        engine = _start(loaded, tmp_path)
+        served.append(_serve(engine))
+        return engine.warmup_report
+
+    cold = start()
+    shapes = cold["shapes"]
+    assert cold["executables_compiled"] == shapes and cold["executables_loaded"] == 0 and cold["executables"] == shapes
+    stored = sorted((tmp_path / STORE_DIR).glob("*.exe"))
+    assert len(stored) == shapes
+
+    warm = start()  # nothing traced, lowered or compiled for the declared shapes
+    assert warm["executables_loaded"] == shapes and warm["executables_compiled"] == 0
+    assert warm["cache_hit"] and warm["cache_misses"] == 0
+
+    stored[0].write_bytes(stored[0].read_bytes()[:200])  # truncated
+    damaged = start()
+    assert damaged["executables_rejected"] == 1 and damaged["executables_compiled"] == 1
+    assert damaged["executables_loaded"] == shapes - 1
+    assert stored[0].stat().st_size > 200  # written anew
+
+    for run in served:  # the same tokens from compiled, loaded and recompiled programs; nothing compiled late
+        assert [tokens for tokens, _ in run] == solo
+        assert not any(late for _, late in run)
+
+
+def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):
+    store = ExecutableStore(tmp_path)
+    config = loaded.checkpoint.config
+    args = (jnp.zeros((1, 8), jnp.int32), jnp.int32(0))
+    statics = {"config": config, "kv_len": 64}
+    base = store.key("prefill_step", signature(args, statics), [])
+    assert base == store.key("prefill_step", signature((jnp.ones((1, 8), jnp.int32), jnp.int32(3)), statics), [])
+    other_config = dataclasses.replace(config, final_logit_softcapping=(config.final_logit_softcapping or 30.0) + 1.0)
+    changed = [
+        store.key("decode_step", signature(args, statics), []),  # another step
+        store.key("prefill_step", signature((jnp.zeros((1, 16), jnp.int32), jnp.int32(0)), statics), []),  # shape
+        store.key("prefill_step", signature((jnp.zeros((1, 8), jnp.float32), jnp.int32(0)), statics), []),  # dtype
+        store.key("prefill_step", signature(args, {**statics, "kv_len": 32}), []),  # a static argument
+        store.key("prefill_step", signature(args, {**statics, "config": other_config}), []),  # the model
+        store.key("prefill_step", signature((*args, None), statics), []),  # the argument tree
+    ]
+    assert len({base, *changed}) == len(changed) + 1
