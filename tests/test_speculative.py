@@ -346,6 +346,8 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
         plain = complete({"method": "off"})
         spec = complete({"method": "ngram", "k": 8})
         assert spec.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+        drafted = complete({"method": "draft", "k": 4})
+        assert drafted.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
         assert plain.usage.model_extra["speculative"] is None
         usage = spec.usage.model_extra["speculative"]
         assert usage["steps"] == sum(usage["accepted_lengths"]) > 0
@@ -354,7 +356,8 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == spec.choices[0].text
         assert chunks[-1].usage.model_extra["speculative"]["steps"] > 0
         steps = read_metric(url, "gemmax:spec_accepted_per_step_count")
-        assert steps == usage["steps"] + chunks[-1].usage.model_extra["speculative"]["steps"]
+        assert steps == (usage["steps"] + chunks[-1].usage.model_extra["speculative"]["steps"]
+                         + drafted.usage.model_extra["speculative"]["steps"])
         assert read_metric(url, "gemmax:spec_accepted_per_step_bucket", {"le": "8.0"}) == steps
         for spec_extra, param in (({"method": "ngram", "k": 3}, "speculative.k"),
                                   ({"method": "medusa"}, "speculative.method"), ({"depth": 2}, None)):
