@@ -1,16 +1,20 @@
-"""Speculative decoding through the batching engine: plain decoding in the same engine is the reference
-(greedy token-identical, seeded sampling draw-identical), and the verify step's rejection rule keeps
-the target distribution (a statistical bound that always-accept fails)."""
+"""Speculative decoding through the batching engine, with prompt lookup and with a draft model: plain
+decoding in the same engine is the reference (greedy token-identical; with prompt lookup seeded
+sampling draw-identical), and the verify step's rejection rule keeps the target distribution (a
+statistical bound that always-accept fails; the draft model's rule: tests/test_speculative_draft.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from fake_engine import read_metric, running_server
 from gemmax.engine.api import (
@@ -35,17 +39,49 @@ PLAIN = Speculation("off")
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    # g4_shared (sliding window 4, KV sharing) with a tokenizer, for the server test; float32 so that
-    # greedy picks do not hinge on bf16 ties
-    return load_model(str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")), "float32")
+def checkpoint(tmp_path_factory):
+    # g4_shared (sliding window 4, KV sharing) with a tokenizer, for the server test
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
 @pytest.fixture(scope="module")
-def engine(loaded):
+def loaded(checkpoint):
+    return load_model(str(checkpoint), "float32")  # float32: greedy picks do not hinge on bf16 ties
+
+
+def related_copy(source, directory, noise: float, seed: int = 0):
+    """The checkpoint at `source` with Gaussian noise (`noise` x each layer tensor's own std) added to
+    its decoder layers' matrices: a draft that agrees with it often, not always (the tiny model's
+    logits are flat: noise 0.003 kept 85% of its argmaxes over 60 positions, 0.01 55%, 0.05 17%)."""
+    shutil.copytree(source, directory)
+    rng = np.random.default_rng(seed)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, value in tensors.items():
+            if ".layers." in name and value.ndim == 2:
+                tensors[name] = (value + noise * value.std() * rng.standard_normal(value.shape)).astype(value.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def drafts(checkpoint, tmp_path_factory):
+    """Draft models of the target's config, by the real loader: its own weights (every proposal
+    right), a related copy (noise on its layers: some right, many rollbacks), another random seed
+    (almost every proposal wrong)."""
+    root = tmp_path_factory.mktemp("drafts")
+    paths = {"same": checkpoint, "related": related_copy(checkpoint, root / "related", 0.003),
+             "other": write_tiny_checkpoint(root / "other", seed=1)}
+    return {name: load_model(str(path), "float32") for name, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(loaded, drafts):
+    # One engine for prompt lookup and the draft model (its proposal and verify shapes warmed too):
+    # rows of both methods share its verify steps.
     eng = BatchEngine(loaded, max_model_len=160, max_batch=2, buckets=(16,), steps_per_dispatch=3,
-                      speculation=PLAIN).start()
-    assert eng.wait_ready(600)
+                      speculation=PLAIN, draft=drafts["related"]).start()
+    assert eng.wait_ready(900)
     yield eng
     eng.shutdown(drain_timeout=5)
 
@@ -158,13 +194,89 @@ def test_seeded_sampling_draws_the_plain_tokens(engine, monkeypatch):
     assert result.token_ids == reference and result.speculation.accepted > 0
 
 
+@contextlib.contextmanager
+def drafting_with(engine, draft):
+    """The idle engine with another draft of the same config: its compiled steps serve it unchanged
+    (they take the params as an argument), and every request prefills its own draft slot."""
+    assert draft.checkpoint.config == engine.drafter.config
+    before = engine.drafter.params
+    engine.drafter.params = draft.checkpoint.params
+    try:
+        yield engine
+    finally:
+        engine.drafter.params = before
+
+
+def test_greedy_draft_equals_plain_for_every_k_in_a_mixed_batch(engine):
+    """Draft requests with k = 2, 4, 8 beside plain and prompt-lookup ones, more than the slots, all
+    at once: each gets the tokens plain decoding gives. The long ones cross the window-4 ring dozens
+    of times with accepted lengths from 0 to k (rollbacks of every length), and the draft's cache
+    follows (a draft that fell behind or kept a rejected token would propose worse, never wrong
+    tokens, so the acceptance is checked too: the related draft agrees on most tokens)."""
+    prompts = _prompts(6)
+    budgets = [120, 40, 100, 17, 90, 60]
+    specs = [Speculation("draft", 2), Speculation("draft", 4), Speculation("draft", 8), PLAIN,
+             Speculation("ngram", 4), Speculation("draft", 4)]
+    plain = [_run(engine, p, b, PLAIN) for p, b in zip(prompts, budgets, strict=True)]
+    drafted = [_run(engine, p, b, s) for p, b, s in zip(prompts, budgets, specs, strict=True)]
+    for i, (reference, result) in enumerate(zip(plain, drafted, strict=True)):
+        assert result.wait().token_ids == reference.wait().token_ids, f"request {i} ({specs[i]})"
+        assert len(result.result.token_ids) == budgets[i]
+    for i in (0, 2, 5):  # the draft requests of 60 tokens and more
+        stats, k = drafted[i].result.speculation, specs[i].k
+        assert stats.steps == sum(stats.accepted_lengths) and stats.accepted <= stats.proposed
+        assert stats.accepted_lengths[0] > 0 and len(stats.accepted_lengths) == k + 1, stats  # 0 .. k kept
+        assert stats.accepted > 0.3 * stats.proposed, stats
+    assert drafted[3].result.speculation is None
+
+
+def test_seeded_sampling_with_a_draft_repeats_and_stays_in_budget(engine):
+    """A seeded sampled request with the draft draws the same tokens again (every random number is
+    the row's key at its generation step), ends exactly at max_tokens and keeps some proposals."""
+    prompt = _prompts(1, seed=4)[0]
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    first = _run(engine, prompt, 70, Speculation("draft", 4), sampling=sampled).wait()
+    again = _run(engine, prompt, 70, Speculation("draft", 4), sampling=sampled).wait()
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 70
+    assert first.speculation.accepted > 0
+
+
+def test_a_disagreeing_draft_still_gives_the_plain_tokens(engine, drafts):
+    """A draft of another random seed: its proposals are nearly all rejected (so the request backs
+    off to plain decoding, and the draft catches up by prefill when it speculates again), and the
+    tokens are still plain decoding's. The target's own weights as draft: every proposal kept."""
+    prompt = _prompts(1, seed=2)[0]
+    reference = _run(engine, prompt, 100, PLAIN).wait().token_ids
+    with drafting_with(engine, drafts["other"]):
+        result = _run(engine, prompt, 100, Speculation("draft", 8)).wait()
+    assert result.token_ids == reference
+    stats = result.speculation
+    assert stats.steps > 0 and stats.accepted < 0.3 * stats.proposed, stats
+    assert stats.steps < 100 // 3, stats  # backed off: most tokens decoded plainly
+    with drafting_with(engine, drafts["same"]):
+        result = _run(engine, prompt, 100, Speculation("draft", 8)).wait()
+    assert result.token_ids == reference
+    assert result.speculation.accepted == result.speculation.proposed > 0, result.speculation
+
+
+def test_the_draft_is_in_the_memory_plan_and_health(engine, loaded):
+    plan = engine.memory_plan
+    assert plan.draft_weights == loaded.checkpoint.weight_bytes  # the related copy: the target's shapes
+    assert plan.draft_kv_cache == plan.kv_cache > 0 and "draft model KV cache" in plan.explain()
+    assert plan.required == (plan.weights + plan.kv_cache + plan.workspace + plan.prefix_cache + plan.draft_weights
+                             + plan.draft_kv_cache)
+    described = engine.info["speculative"]["draft"]
+    assert described["weight_bytes"] == loaded.checkpoint.weight_bytes
+    assert described["layers"] == len(loaded.checkpoint.config.layers) and described["kv_cache_bytes"] == plan.kv_cache
+
+
 def test_requests_are_validated_and_the_ring_slack_is_in_the_memory_plan(engine, loaded):
     for spec, param in ((Speculation("beam", 4), "speculative.method"), (Speculation("ngram", 3), "speculative.k"),
                         (Speculation("ngram", True), "speculative.k")):
         with pytest.raises(InvalidRequest) as refused:
             engine.submit(GenerationRequest((1, 2, 3), 4, speculative=spec))
         assert refused.value.param == param
-        assert "2, 4, 8" in str(refused.value) or "ngram, off" in str(refused.value)
+        assert "2, 4, 8" in str(refused.value) or "ngram, draft, off" in str(refused.value)
     with pytest.raises(InvalidRequest, match="--speculative"):
         validate_request(GenerationRequest((1, 2), 4, speculative=Speculation()), max_model_len=64, vocab_size=128)
     validate_request(GenerationRequest((1, 2), 4, speculative=PLAIN), max_model_len=64, vocab_size=128)
@@ -234,6 +346,8 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
         plain = complete({"method": "off"})
         spec = complete({"method": "ngram", "k": 8})
         assert spec.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+        drafted = complete({"method": "draft", "k": 4})
+        assert drafted.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
         assert plain.usage.model_extra["speculative"] is None
         usage = spec.usage.model_extra["speculative"]
         assert usage["steps"] == sum(usage["accepted_lengths"]) > 0
@@ -242,7 +356,8 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == spec.choices[0].text
         assert chunks[-1].usage.model_extra["speculative"]["steps"] > 0
         steps = read_metric(url, "gemmax:spec_accepted_per_step_count")
-        assert steps == usage["steps"] + chunks[-1].usage.model_extra["speculative"]["steps"]
+        assert steps == (usage["steps"] + chunks[-1].usage.model_extra["speculative"]["steps"]
+                         + drafted.usage.model_extra["speculative"]["steps"])
         assert read_metric(url, "gemmax:spec_accepted_per_step_bucket", {"le": "8.0"}) == steps
         for spec_extra, param in (({"method": "ngram", "k": 3}, "speculative.k"),
                                   ({"method": "medusa"}, "speculative.method"), ({"depth": 2}, None)):

@@ -90,14 +90,15 @@ class Constraint:
     param: str | None = None
 
 
-SPECULATIVE_METHODS = ("ngram", "off")  # prompt lookup; or plain decoding for this request
+SPECULATIVE_METHODS = ("ngram", "draft", "off")  # prompt lookup; a draft model; or plain decoding for this request
 SPEC_KS = (2, 4, 8)  # proposed tokens per verify step: one compiled verify shape each
 
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """Speculative decoding of one request (gemmax.engine.speculative): `method` "ngram" (prompt
-    lookup) or "off", at most `k` proposed tokens per verify step."""
+    lookup), "draft" (the server's draft model, gemmax.engine.draft) or "off", at most `k` proposed
+    tokens per verify step."""
 
     method: str = "ngram"
     k: int = 4
@@ -322,11 +323,11 @@ def check_token_ids(param: str, ids: Any, vocab_size: int) -> None:
 
 
 def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_size: int,
-                     spec_ks: tuple[int, ...] = ()) -> None:
+                     spec_ks: tuple[int, ...] = (), draft: bool = False) -> None:
     """Refuse, with the offending parameter, anything the engine cannot serve exactly as asked. The
     only request validation there is: BatchEngine.submit and the tests' fake engine both call it,
     and the server maps what it raises to HTTP. `spec_ks`: the proposal lengths the engine compiled a
-    verify step for (empty: no speculative decoding)."""
+    verify step for (empty: no speculative decoding); `draft`: whether it has a draft model."""
     prompt = request.prompt_ids
     if not prompt:
         raise InvalidRequest("prompt", "prompt is empty")
@@ -382,6 +383,9 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
             if isinstance(spec.k, bool) or not isinstance(spec.k, int) or spec.k not in spec_ks:
                 raise InvalidRequest("speculative.k", f"must be one of {', '.join(map(str, spec_ks))} (the "
                                      f"compiled proposal lengths), got {spec.k!r}")
+            if spec.method == "draft" and not draft:
+                raise InvalidRequest("speculative.method", "this server has no draft model: start it with "
+                                     "--draft-model PATH to use method 'draft'")
 
 
 class Admission:

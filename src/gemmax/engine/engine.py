@@ -37,6 +37,9 @@ calls (the `_replayed` methods) are sent to the other processes first, which run
 Speculative decoding (`speculation`, docs/speculative.md): when a running request speculates and its
 proposer has tokens to offer, the dispatch is one verify step of the decode group instead
 (`_speculative_dispatch`); rows without proposals take one token from it as from a decode step.
+With a draft model (`draft`, gemmax.engine.draft) the draft proposes on the device first
+(`propose[g, k]` per decode shape, warmed like the verify step, and the draft's prefill per prefill
+shape), and its cache follows each slot's accepted tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from gemmax.engine.api import (
     validate_request,
 )
 from gemmax.engine.degeneracy import check_degeneracy
+from gemmax.engine.draft import Drafter, check_draft
 from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
@@ -143,7 +147,7 @@ class BatchEngine:
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
                  batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, draft=None):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         if speculation is not None and (mesh is not None or batch_invariant):
@@ -156,6 +160,9 @@ class BatchEngine:
         # Speculative decoding: None (off: no verify shapes, plain rings), or the default of requests
         # that do not choose (method "off": only requests that ask speculate). Rings get k_max slots
         # of slack (gemmax.model.kv_cache), shown in the memory plan.
+        if draft is not None and speculation is None:
+            raise ValueError("a draft model drafts for speculative decoding: give --speculative draft (or "
+                             "on-request) with --draft-model")
         self.speculation = speculation
         self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
         self.ring_slack = max(self.spec_ks, default=0)
@@ -166,13 +173,19 @@ class BatchEngine:
         self._max_model_len = max_model_len
         self.max_batch = max_batch
         self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or loaded.policy.prefill_buckets)
+        # The draft model (None: none): its own cache, one row per slot, in the same shapes.
+        self.drafter: Drafter | None = None
+        if draft is not None:
+            check_draft(loaded, draft)
+            self.drafter = Drafter(draft, max_model_len, max_batch, policy.precision(), self.ring_slack, self.shapes)
         # Refuse at start-up, with the arithmetic, a deployment that cannot fit the device.
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
             kv_dtype=self.precision.kv_cache, activation_dtype=self.precision.activation,
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
             mesh=mesh, prefix_cache_bytes=prefix_cache_bytes,
-            ring_slack=self.ring_slack))
+            ring_slack=self.ring_slack, draft_config=None if draft is None else draft.checkpoint.config,
+            draft_weights=0 if draft is None else draft.checkpoint.weight_bytes))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
@@ -272,7 +285,8 @@ class BatchEngine:
             "kv_buckets": list(self.shapes.kv_buckets),
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
             "speculative": None if self.speculation is None else {
-                "default": dataclasses.asdict(self.speculation), "k": list(self.spec_ks), "ring_slack": self.ring_slack},
+                "default": dataclasses.asdict(self.speculation), "k": list(self.spec_ks), "ring_slack": self.ring_slack,
+                "draft": None if self.drafter is None else self.drafter.describe()},
             "warmup": self.warmup_report,
         }
 
@@ -280,7 +294,7 @@ class BatchEngine:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                         spec_ks=self.spec_ks)
+                         spec_ks=self.spec_ks, draft=self.drafter is not None)
         if request.speculative is None and self.speculation is not None:  # the engine's default
             request = dataclasses.replace(request, speculative=self.speculation)
         if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
@@ -359,6 +373,8 @@ class BatchEngine:
         self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
                                                    *slack)
         self.want_logprobs[:] = False
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def _init_prefix_cache(self) -> None:
         """An empty prefix cache (after warm-up, so the throwaway requests leave nothing in it)."""
@@ -388,11 +404,14 @@ class BatchEngine:
             # 0.15-0.25 s for the next ones, though nothing compiled; a second run of the shape removes it.
             self._throwaway_requests(self.shapes.buckets[:1])
             self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
+            if self.drafter is not None:
+                self._warm_up_draft()
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
         self._init_prefix_cache()
-        shapes = len(self._declared_calls())
+        prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.decode_shapes)
+        shapes = len(self._declared_calls()) + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
         executables = self.steps.summary()
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
@@ -412,10 +431,23 @@ class BatchEngine:
             rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
             calls.append(("decode_step" if rows is None else "decode_rows",
                           *self._decode_args(jnp.asarray(self.want_logprobs), rows, kv_len)))
-            calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
-                                                         np.zeros(size, np.int32), kv_len))
-                      for k in self.spec_ks]
+            if self.drafter is None:  # with a draft every verify step takes q: `_warm_up_draft`
+                calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32),
+                                                             np.zeros((size, k), np.int32), np.zeros(size, np.int32),
+                                                             kv_len)) for k in self.spec_ks]
         return calls
+
+    def _warm_up_draft(self) -> None:
+        """The draft model's shapes, run once each (its steps are jitted, not ahead of time): its
+        prefill per (bucket, KV bound) with a 1-token dummy chunk, then per decode group, k and KV
+        bound its proposal step and the target's verify step with q (all rows idle: nothing is kept)."""
+        for (bucket, _), start in self.shapes.prefill_shapes().items():
+            self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1)
+        for size, kv_len in self.shapes.decode_shapes:
+            for k in self.spec_ks:
+                rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
+                proposals, q = self.drafter.propose(rows, {}, self.device.sampling, table, k, kv_len)
+                self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
 
     @_replayed
     def _compile_declared(self) -> None:
@@ -466,10 +498,11 @@ class BatchEngine:
             return (self.params, self.device, want), statics
         return (self.params, self.device, want, jnp.asarray(rows, jnp.int32)), statics
 
-    def _verify_args(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray,
-                     kv_len: int) -> tuple[tuple, dict[str, Any]]:
+    def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
+                     drafted: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
+        extra = () if q is None else (q, jnp.asarray(drafted))
         return ((self.params, self.device, jnp.asarray(self.want_logprobs), jnp.asarray(rows, jnp.int32),
-                 jnp.asarray(proposals, jnp.int32), jnp.asarray(num_proposed, jnp.int32)),
+                 jnp.asarray(proposals, jnp.int32), jnp.asarray(num_proposed, jnp.int32), *extra),
                 {"config": self.config, "precision": self.precision, "kv_len": kv_len})
 
     @_replayed
@@ -526,10 +559,12 @@ class BatchEngine:
                 logits = self._forward(group, kv_len)
             self._deliver(out, slot_of)
 
-    def _dispatch_verify(self, rows: np.ndarray, proposals: np.ndarray, num_proposed: np.ndarray, kv_len: int):
+    def _dispatch_verify(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
+                         drafted: np.ndarray | None = None):
         """Enqueue one verify step of the group `rows` (steps.verify_rows); its outputs per row of `rows`,
-        as device arrays. `kv_len` must cover every active row's position + k + 1."""
-        args, statics = self._verify_args(rows, proposals, num_proposed, kv_len)
+        as device arrays. `kv_len` must cover every active row's position + k + 1. With a draft model:
+        q [g, k, V] and `drafted` [g] (the rows whose proposals the draft drew from q)."""
+        args, statics = self._verify_args(rows, proposals, num_proposed, kv_len, q, drafted)
         self.device, out = self.steps.verify_rows(*args, **statics)
         return out
 
@@ -646,6 +681,8 @@ class BatchEngine:
             start += real
             if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
                 slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
+        if self.drafter is not None and _drafts(request):  # the whole prompt (the prefix cache holds the target's KV)
+            self.drafter.prefill(slot_index, prompt)
         token, lp, top_ids, top_lp = jax.device_get(out)
         now = time.perf_counter()
         slot.prefill_seconds = now - admitted
@@ -740,6 +777,7 @@ class BatchEngine:
         `_accept`, so stop ids, min_tokens, max_tokens and streaming behave as in plain decoding (a
         stop id among the accepted tokens ends the request there)."""
         proposals: dict[int, np.ndarray] = {}
+        drafting: dict[int, np.ndarray] = {}  # rows the draft model proposes for: their contexts
         for j, i in enumerate(slot_of):
             slot = self._slots[i]
             if slot is None or not _speculates(slot.request):
@@ -748,6 +786,11 @@ class BatchEngine:
                 slot.speculation = RequestSpeculation(slot.request.speculative.method, slot.request.speculative.k)
             context = np.asarray((*slot.request.prompt_ids, *slot.tokens), np.int32)
             owed = slot.budget - len(slot.tokens)
+            if slot.speculation.method == "draft":
+                count = min(slot.speculation.k, owed - 1) if slot.speculation.active(len(slot.tokens)) else 0
+                if count > 0:
+                    drafting[j], proposals[j] = context, np.zeros(count, np.int32)  # drawn on the device
+                continue
             proposed = slot.speculation.propose(context, len(slot.tokens))[: owed - 1]
             if len(proposed):
                 proposals[j] = proposed
@@ -757,8 +800,19 @@ class BatchEngine:
         table, counts = np.zeros((len(slot_of), k), np.int32), np.zeros(len(slot_of), np.int32)
         for j, proposed in proposals.items():
             table[j, : len(proposed)], counts[j] = proposed, len(proposed)
-        out = self._dispatch_verify(np.asarray(slot_of, np.int32), table, counts, self._kv_bound_after(k + 1))
+        rows, kv_len = np.asarray(slot_of, np.int32), self._kv_bound_after(k + 1)
+        if self.drafter is None:
+            out = self._dispatch_verify(rows, table, counts, kv_len)
+        else:  # one verify shape per (group, k, kv_len) with or without draft rows: q unused when none drafts
+            drafted = np.isin(np.arange(len(slot_of)), list(drafting))
+            if drafting:
+                table, q = self.drafter.propose(rows, drafting, self.device.sampling, table, k, kv_len)
+            else:
+                q = jnp.zeros((len(slot_of), k, self.config.vocab_size), jnp.float32)
+            out = self._dispatch_verify(rows, table, counts, kv_len, q, drafted)
         drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
+        for j, context in drafting.items():  # the draft's cache now holds the accepted tokens (but one)
+            self.drafter.observe(int(slot_of[j]), len(context) - 1, int(accepted[j]), k)
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
             slot = self._slots[i]
@@ -845,6 +899,7 @@ class BatchEngine:
         state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
         lost and they carry on untouched."""
         leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
+        leaves += jax.tree.leaves(self.drafter and self.drafter.cache)
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
@@ -864,3 +919,8 @@ def _speculates(request: GenerationRequest) -> bool:
     spec, s = request.speculative, request.sampling
     return (spec is not None and spec.method != "off" and request.logprobs is None and request.constraint is None
             and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)
+
+
+def _drafts(request: GenerationRequest) -> bool:
+    """Whether a request's proposals come from the draft model (its draft slot is prefilled)."""
+    return _speculates(request) and request.speculative.method == "draft"

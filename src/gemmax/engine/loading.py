@@ -80,13 +80,14 @@ def load_model(model: str | Path | ModelSource | None, dtype: str | None = None,
 
 
 def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, mesh: MeshSpec | None = None,
-                 **engine_options):
-    """What `gemmax serve` runs before it can answer: resolve and load the model, build the batching
-    engine and start its warm-up (in the engine's thread; it reports ready when done).
-    Returns (engine, tokenizer)."""
+                 draft_model: str | None = None, **engine_options):
+    """What `gemmax serve` runs before it can answer: resolve and load the model (and the draft
+    model, through the same path), build the batching engine and start its warm-up (in the engine's
+    thread; it reports ready when done). Returns (engine, tokenizer)."""
     loaded = load_model(model, dtype, quant, mesh=mesh)
+    draft = None if draft_model is None else load_model(draft_model, dtype, quant, mesh=mesh)
     schedule = Leader() if jax.process_count() > 1 else None  # process 0 of several: the others follow
-    engine = BatchEngine(loaded, mesh=mesh, schedule=schedule, **engine_options)
+    engine = BatchEngine(loaded, mesh=mesh, schedule=schedule, draft=draft, **engine_options)
     engine.start()
     return engine, loaded.tokenizer
 

@@ -154,10 +154,12 @@ class MemoryPlan:
     prefix_cache: int = 0  # the prefix cache's byte budget (gemmax.engine.prefix_cache; 0: off)
     prefix_cache_auto: bool = False  # the budget is the default: free memory, at most PREFIX_CACHE_DEFAULT_MAX
     ring_slack: int = 0  # extra slots per sliding ring (speculative decoding)
+    draft_weights: int = 0  # a draft model's weights (speculative decoding with --draft-model; 0: none)
+    draft_kv_cache: int = 0  # its KV cache: one row per slot at max_model_len, rings with the same slack
 
     @property
     def required(self) -> int:
-        return self.weights + self.kv_cache + self.workspace + self.prefix_cache
+        return self.weights + self.kv_cache + self.workspace + self.prefix_cache + self.draft_weights + self.draft_kv_cache
 
     @property
     def available(self) -> int:
@@ -178,6 +180,11 @@ class MemoryPlan:
             + (f", each window + {self.ring_slack} slots for speculative decoding)" if self.ring_slack else ")"),
             f"  workspace               {_fmt(self.workspace)} (prefill of {self.prefill_tokens:,} tokens, attention scores dominate)",
             f"  prefix cache            {_fmt(self.prefix_cache)} ({self._prefix_note})",
+        ]
+        if self.draft_weights:
+            out += [f"  draft model weights     {_fmt(self.draft_weights)}",
+                    f"  draft model KV cache    {_fmt(self.draft_kv_cache)} ({b} slots x {n:,} tokens, its own rings)"]
+        out += [
             f"  required                {_fmt(self.required)}",
             f"  device memory           {_fmt(self.device_memory)} - reserve {_fmt(self.reserve)} = {_fmt(self.available)} available",
         ]
@@ -220,6 +227,8 @@ def plan_memory(
     mesh: MeshSpec | None = None,
     prefix_cache_bytes: int | None = 0,
     ring_slack: int = 0,
+    draft_config: ModelConfig | None = None,
+    draft_weights: int = 0,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
@@ -228,16 +237,24 @@ def plan_memory(
     cache by dp (slots) and by tp where the KV heads split, the prefill workspace by tp (heads).
     `prefix_cache_bytes`: the prefix cache's budget, held on the device beside the KV cache (None: the
     default, what the rest leaves free up to PREFIX_CACHE_DEFAULT_MAX; it never makes a plan not fit).
-    `ring_slack`: extra slots per sliding ring (speculative decoding's k_max, `kv_cache` docstring)."""
+    `ring_slack`: extra slots per sliding ring (speculative decoding's k_max, `kv_cache` docstring).
+    `draft_config`, `draft_weights`: a draft model (one device only), its weight bytes; its KV cache
+    (one row per slot, as the target's) is counted from its config."""
+    if draft_config is not None and mesh is not None:
+        raise ValueError("a draft model runs on one device: it cannot be planned with a mesh")
     if max_model_len < 1 or max_batch < 1:
         raise ValueError(f"max_model_len and max_batch must be >= 1, got {max_model_len} and {max_batch}")
     split = _MeshSplit(config, mesh, ring_slack)
     weights = split.weights(weight_dtype) if weights is None else weights // split.weight_ratio(weight_dtype)
     reserve = int(device_memory * reserve_fraction)
 
+    def draft_kv(n: int, b: int) -> int:
+        return 0 if draft_config is None else cache_bytes(draft_config, n, b, kv_dtype, ring_slack)
+
     def required(n: int, b: int) -> int:
         chunk = n if prefill_tokens is None else min(prefill_tokens, n)
-        return weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype) + (prefix_cache_bytes or 0)
+        return (weights + split.kv(n, b, kv_dtype) + split.workspace(chunk, n, b, activation_dtype)
+                + (prefix_cache_bytes or 0) + draft_weights + draft_kv(n, b))
 
     available = device_memory - reserve
     longest = _largest(lambda n: required(n, max_batch) <= available, config.max_position_embeddings)
@@ -266,6 +283,8 @@ def plan_memory(
         mesh="1 device" if mesh is None else f"mesh {mesh} ({mesh.size} devices)",
         prefix_cache=prefix_cache,
         prefix_cache_auto=prefix_cache_bytes is None,
+        draft_weights=draft_weights,
+        draft_kv_cache=draft_kv(max_model_len, max_batch),
     )
 
 

@@ -1,4 +1,5 @@
-"""Host side of speculative decoding: the prompt-lookup proposer and each request's adaptive state.
+"""Host side of speculative decoding: the prompt-lookup proposer and each request's adaptive state
+(the draft-model proposer is gemmax.engine.draft).
 
 Prompt lookup (n-gram) proposes, for a context (prompt + output so far, ending with the token the
 next step reads), the tokens that followed the most recent earlier occurrence of the context's last
@@ -57,9 +58,14 @@ class RequestSpeculation:
     accepted: int = 0
     accepted_lengths: list[int] = dataclasses.field(default_factory=lambda: [0] * (max(SPEC_KS) + 1))
 
+    def active(self, generated: int) -> bool:
+        """Whether the request speculates at its next step (False: inside a back-off pause)."""
+        return generated >= self.pause_until
+
     def propose(self, context: np.ndarray, generated: int) -> np.ndarray:
-        """The proposals for the next verify step (empty: decode plainly this time)."""
-        if generated < self.pause_until:
+        """Prompt lookup's proposals for the next verify step (empty: decode plainly this time); a
+        draft model's are drawn on the device (gemmax.engine.draft)."""
+        if not self.active(generated):
             return np.zeros(0, np.int32)
         return propose_ngram(context, self.k)
 

@@ -19,7 +19,9 @@ and the row keeps the longest prefix of proposals equal to those draws, plus the
 For a sampled row this is the speculative rejection rule with a one-hot proposal: the proposal x is
 kept with probability p(x), and when it is not, the draw y != x is distributed as p with x removed,
 renormalised. A rollback is a shorter cached length (`kv_cache` docstring: rings have k_max slots of
-slack)."""
+slack). Rows whose proposals a draft model drew from a known distribution q take the rejection rule
+with q instead when sampled (gemmax.engine.draft): keep x with min(1, p(x) / q(x)), else draw from
+norm(max(0, p - q))."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gemmax.engine.draft import draft_rule, probabilities
 from gemmax.engine.sampling import SamplingState, choose_ids, sample, set_row
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision, forward
@@ -214,11 +217,14 @@ def _later_steps(state: SamplingState, k: int) -> SamplingState:
     return dataclasses.replace(repeated, step=steps)
 
 
-def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed, config, precision, kv_len):
+def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed, config, precision, kv_len,
+            q=None, drafted=None):
     """One verify step (module docstring) for every row: proposals [B, k] i32, of which the first
     num_proposed [B] are real. A row with none proposed steps exactly as a decode step; rows with
     remaining == 0 are idle. A row never gets more tokens than it still owes. Proposed positions of
-    rows with penalties are drawn without them: the engine proposes nothing for such rows."""
+    rows with penalties are drawn without them: the engine proposes nothing for such rows.
+    `q` [B, k, V]: the distributions a draft model drew the proposals of the rows `drafted` [B] bool
+    from; those rows, when sampled, take the rejection rule with q (gemmax.engine.draft.draft_rule)."""
     B, k = proposals.shape
     active = device.remaining > 0
     num_proposed = jnp.where(active, jnp.clip(num_proposed, 0, device.remaining - 1), 0)
@@ -230,6 +236,12 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     drawn = jnp.concatenate([first[:, None], later], axis=1)  # [B, k+1]: the target's token after each input
     agree = (proposals == drawn[:, :k]) & (jnp.arange(k)[None, :] < num_proposed[:, None])
     accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [B] leading agreements
+    if q is not None:
+        ruled = drafted & (device.sampling.temperature > 0)
+        drawn, accepted, sampling = lax.cond(
+            jnp.any(ruled), lambda: _draft_ruled(logits, device.sampling, sampling, proposals, num_proposed, q, ruled,
+                                                 drawn, accepted, active),
+            lambda: (drawn, accepted, sampling))
     emitted = jnp.where(active, accepted + 1, 0)  # drawn[:, :accepted + 1]
     last = jnp.take_along_axis(drawn, accepted[:, None], axis=1)[:, 0]
     kept_later = (jnp.arange(k)[None, :] < accepted[:, None]).astype(jnp.int32)  # drawn[:, 1:] emitted
@@ -241,15 +253,31 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     return device, (drawn, accepted, lp, top_ids, top_lp, active)
 
 
+def _draft_ruled(logits, before: SamplingState, after: SamplingState, proposals, num_proposed, q, ruled, drawn,
+                 accepted, active):
+    """The rows `ruled` [B] (sampled, draft-proposed) of a verify step redrawn by the rejection rule
+    with q: logits [B, k+1, V] of the target; `before` / `after` the sampling state before and after
+    the first position's draw (its count moves to the rule's first token). -> (drawn, accepted, after)."""
+    B, k = proposals.shape
+    p = probabilities(logits.reshape(B * (k + 1), -1), _later_steps(before, k + 1)).reshape(B, k + 1, -1)
+    ruled_drawn, ruled_accepted = draft_rule(p, q, proposals, num_proposed, before.key, before.step)
+    new_first = jnp.where(ruled, ruled_drawn[:, 0], drawn[:, 0])
+    count = active.astype(jnp.int32)
+    rows = jnp.arange(B)
+    counts = after.output_counts.at[rows, drawn[:, 0]].add(-count).at[rows, new_first].add(count)
+    return (jnp.where(ruled[:, None], ruled_drawn, drawn), jnp.where(ruled, ruled_accepted, accepted),
+            dataclasses.replace(after, output_counts=counts))
+
+
 @functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
-def verify_rows(params, device: DeviceState, want_logprobs, rows, proposals, num_proposed, *, config, precision,
-                kv_len=None):
-    """One verify step (`_verify`) for the slots `rows` [g]: proposals [g, k], num_proposed [g].
-    `kv_len` must cover every row's position + k + 1: the proposed positions are written inside the
-    gathered slots. Returns (device, (drawn [g, k+1], accepted [g], logprob, top ids, top logprobs
-    of each row's first draw, active [g]))."""
+def verify_rows(params, device: DeviceState, want_logprobs, rows, proposals, num_proposed, q=None, drafted=None, *,
+                config, precision, kv_len=None):
+    """One verify step (`_verify`) for the slots `rows` [g]: proposals [g, k], num_proposed [g];
+    with a draft model, q [g, k, V] and drafted [g] bool (`_verify`). `kv_len` must cover every row's
+    position + k + 1: the proposed positions are written inside the gathered slots. Returns (device,
+    (drawn [g, k+1], accepted [g], logprob, top ids, top logprobs of each row's first draw, active [g]))."""
     sub, out = _verify(params, _gather(device, rows, kv_len), want_logprobs[rows], proposals, num_proposed, config,
-                       precision, kv_len)
+                       precision, kv_len, q, drafted)
     return _scatter(device, sub, rows, kv_len), out
 
 
