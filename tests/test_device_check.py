@@ -24,8 +24,8 @@ import device_check  # noqa: E402
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device_check")
     # LLVM at -O0 in the script and its profile child: its time goes to compiling (decode and quant at
-    # two batches and three stored forms, twice in the profile child) and -O0 cuts a compile by a third
-    # or more. What is checked here is that every section runs and reports, with numbers compared
+    # two batches and three stored forms, twice in the profile child) and -O0 cuts a compile's CPU by a
+    # quarter or more. What is checked here is that every section runs and reports, with numbers compared
     # within one run (parity against transformers is 1e-4 in float32, far above what the LLVM level
     # changes); speed is measured on real devices, not here.
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
