@@ -35,6 +35,22 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_compile_cache_for_the_session(tmp_path_factory):
+    """One persistent compilation cache for the whole run, empty when it starts: every engine warm-up
+    (in this process or in a `gemmax` subprocess, which inherits the environment) reads and writes it,
+    so a program compiled by an earlier module or process (the same model, dtype and shapes) is loaded
+    instead of compiled again, and nothing is written into the user's own cache. Tests about the cache
+    itself give their own directory."""
+    previous = os.environ.get("GEMMAX_COMPILE_CACHE")
+    os.environ["GEMMAX_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("gemmax-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("GEMMAX_COMPILE_CACHE", None)
+    else:
+        os.environ["GEMMAX_COMPILE_CACHE"] = previous
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_jax_state_after_each_module():
     """Each module starts from a clean JAX process state: the compiled executables earlier modules

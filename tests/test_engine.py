@@ -29,9 +29,10 @@ def loaded(hf_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def engine(loaded, tmp_path_factory):
-    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3,
-                      compile_cache_dir=str(tmp_path_factory.mktemp("xla"))).start()
+def engine(loaded):
+    # the session's compile cache (tests/conftest.py): tests/test_prefix_cache.py's engine has these
+    # shapes and loads what this one compiled
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3).start()
     assert eng.wait_ready(300)
     yield eng
     eng.shutdown(drain_timeout=5)
@@ -288,8 +289,8 @@ def test_a_failing_prefill_fails_its_request_and_the_engine_keeps_serving(engine
     assert engine.ready
 
 
-def test_shutdown_ends_every_queued_and_running_request(hf_checkpoints):
-    loaded = load_model(str(hf_checkpoints["g4_plain"][0]), "float32")
+def test_shutdown_ends_every_queued_and_running_request(loaded):
+    # the shapes of the degeneracy test's engine (same config): nothing new compiles
     eng = BatchEngine(loaded, max_model_len=64, max_batch=1, buckets=(8,)).start()
     assert eng.wait_ready(300)
     handles = [eng.submit(GenerationRequest((5, 6, 7), 60, ignore_eos=True)) for _ in range(3)]
