@@ -5,13 +5,17 @@ mask, greedy or sampled, filtered or not; the packing matches llguidance's own b
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import jax
 import jax.numpy as jnp
 import llguidance
 import llguidance.numpy
 import numpy as np
+import pytest
 
+from gemmax.engine.api import Constraint, GenerationRequest, SamplingParams
 from gemmax.engine.sampling import SamplingState, sample, unpack_mask
 
 B, V = 6, 1000  # V not a multiple of 32: the last word is partial
@@ -54,6 +58,40 @@ def test_mask_unpacks_in_llguidance_layout(tmp_path):
     assert ours.any() and np.array_equal(ours, accepted)
 
 
+def test_compiler_masks_equal_llguidance_defaults(tmp_path):
+    """The compiler's slices (`constraints.SLICES`) and its one-call fill of several rows are only a
+    faster way to the same masks: along sampled walks through short bounded strings, every row of every
+    step equals llguidance's own row-by-row mask under its default slices and under none."""
+    from gemmax.engine.constraints import ConstraintCompiler, grammar_of
+    from gemmax.weights.tokenizer import load_tokenizer
+    from tiny_checkpoint import EOS_ID, write_tokenizer
+
+    tokenizer = load_tokenizer(write_tokenizer(tmp_path))
+    n = tokenizer.vocab_size
+    compiler = ConstraintCompiler(tokenizer.backend.to_str(), n, (EOS_ID,))
+    references = [llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n, eos_token=[EOS_ID], slices=s)
+                  for s in (None, [])]
+    schema = {"type": "array", "minItems": 12, "items": {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "string", "minLength": 1, "maxLength": 3}, "b": {"type": "string", "maxLength": 8}}}}
+    constraint = Constraint("json_schema", json.dumps(schema))
+    rows = [compiler.matcher(constraint) for _ in range(4)]
+    others = [[llguidance.LLMatcher(t, grammar_of(constraint)) for _ in rows] for t in references]
+    rng = np.random.default_rng(4)
+    for _ in range(60):
+        masks = compiler.masks(len(rows))
+        compiler.fill_rows([(m, j) for j, m in enumerate(rows)], masks)
+        for matchers in others:
+            expected = llguidance.numpy.allocate_token_bitmask(len(rows), n)
+            for j, m in enumerate(matchers):
+                llguidance.numpy.fill_next_token_bitmask(m, expected, j)
+            assert np.array_equal(masks, expected)
+        allowed = np.asarray(unpack_mask(jnp.asarray(masks), n))
+        for j, m in enumerate(rows):
+            choices = np.flatnonzero(allowed[j] & (np.arange(n) != EOS_ID))
+            token = int(rng.choice(choices))
+            assert m.consume_token(token) and all(o[j].consume_token(token) for o in others)
+
+
 def test_masked_rows_draw_allowed_tokens_and_free_rows_are_unchanged():
     state = _state()
     want = jnp.zeros(B, jnp.bool_)
@@ -72,3 +110,40 @@ def test_masked_rows_draw_allowed_tokens_and_free_rows_are_unchanged():
         assert np.array_equal(ids[0::2], unmasked[0::2])  # free rows: the very same draws
         best_allowed = np.argmax(np.where(allowed[3], np.asarray(logits[3]), -np.inf))
         assert ids[3] == best_allowed  # greedy row 3 (constrained): the best allowed token
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from gemmax.engine.engine import BatchEngine
+    from gemmax.engine.loading import load_model
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    loaded = load_model(str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")), "float32")
+    eng = BatchEngine(loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2)
+    eng.shapes = dataclasses.replace(eng.shapes, decode_groups=(4,))  # one decode shape: free and masked
+    eng.start()
+    assert eng.wait_ready(300)
+    yield eng, loaded.tokenizer
+    eng.shutdown(drain_timeout=5)
+
+
+def test_free_rows_beside_constrained_rows_in_the_engine(tiny_engine):
+    """Through the batching engine on a tiny random checkpoint: free rows (greedy and seeded) in a
+    batch with constrained rows give exactly the tokens they give alone (the mask-free step), and the
+    constrained rows hold their regex. Slots alternate constrained / free, so a mask filled into the
+    wrong row both changes a free row's tokens and lets a constrained row draw a refused token."""
+    eng, tok = tiny_engine
+    prompt = tuple(tok.encode("Hello world"))
+    pattern = "[ab]+"
+    free = [GenerationRequest(prompt, 12, SamplingParams()),
+            GenerationRequest(prompt, 12, SamplingParams(temperature=1.0, seed=7))]
+    constrained = [GenerationRequest(prompt, 10, SamplingParams(temperature=t, seed=3), constraint=Constraint("regex", pattern))
+                   for t in (0.0, 1.0)]
+    alone = [eng.submit(r).wait() for r in free]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 12 for r in alone)
+    mixed = [eng.submit(r) for r in (constrained[0], free[0], constrained[1], free[1])]  # slots 0..3
+    results = [h.wait() for h in mixed]
+    for result in (results[0], results[2]):
+        assert result.finish_reason in ("stop", "length"), result
+        assert re.fullmatch("[ab]*", tok.decode(result.token_ids)) and result.token_ids, tok.decode(result.token_ids)
+    assert [results[1].token_ids, results[3].token_ids] == [r.token_ids for r in alone]

@@ -665,7 +665,7 @@ class BatchEngine:
             compiler = self._constraint_compiler()
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
-            compiler.fill(slot.matcher, mask, 0)
+            compiler.fill_rows([(slot.matcher, 0)], mask)
         chunks, keys = self._plan_prefill(slot_index, slot, prompt)
         start = slot.cached_tokens
         for index, (real, bucket) in enumerate(chunks):
@@ -726,10 +726,8 @@ class BatchEngine:
         allowed tokens; free and idle rows (and rows whose request ended) all ones."""
         compiler = self._constraint_compiler()
         masks = compiler.masks(len(slot_of))
-        for j, i in enumerate(slot_of):
-            slot = self._slots[i]
-            if slot is not None and slot.matcher is not None:
-                compiler.fill(slot.matcher, masks, j)
+        compiler.fill_rows([(self._slots[i].matcher, j) for j, i in enumerate(slot_of)
+                            if self._slots[i] is not None and self._slots[i].matcher is not None], masks)
         return masks
 
     def _decode_dispatch(self) -> None:
