@@ -2,7 +2,7 @@
 
 With `jax.distributed` every process must run the same compiled steps in the same order, each on its
 own devices of the global mesh. Process 0 runs the HTTP server and the `BatchEngine`; the engine's
-device calls (state reset, a slot's sampling row, a prefill chunk, a decode dispatch, a slot's
+device calls (state reset, the warm-up's ahead-of-time compile, a slot's sampling row, a prefill chunk, a decode dispatch, a slot's
 token / position / budget) are its `REPLAYED` methods. On process 0 each of them first sends its
 name and arguments to the other processes (`Leader`); there, `follow` runs the same method of an
 engine built the same way, with the same arguments, until process 0 sends `STOP`. The host-side
@@ -33,7 +33,8 @@ STOP = "stop"
 IDLE = "idle"
 IDLE_SECONDS = 5.0
 # The engine's device calls a follower replays, by method name (gemmax.engine.engine.BatchEngine).
-REPLAYED = frozenset({"_init_device_state", "_set_sampling_row", "_run_prefill", "_dispatch_decode", "_set_slot"})
+REPLAYED = frozenset({"_init_device_state", "_compile_declared", "_set_sampling_row", "_run_prefill", "_dispatch_decode",
+                      "_set_slot"})
 _MIN_WORDS = 64  # the smallest payload shape (int32 words); larger ones are powers of two
 
 
