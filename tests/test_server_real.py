@@ -47,9 +47,8 @@ def loaded(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, loaded):
-    # 256 tokens: one KV-length bucket, so warm-up compiles 5 shapes instead of 10 (1024: 256 and 1024);
-    # every prompt and answer here fits, and the bucket crossings are tests/test_engine.py's.
-    engine = BatchEngine(loaded, max_model_len=256, max_batch=4, buckets=(32, 128)).start()
+    # 1024 tokens: the disconnect test's stream must outlast its one-second window (256 did not fit it)
+    engine = BatchEngine(loaded, max_model_len=1024, max_batch=4, buckets=(32, 128)).start()
     settings = ServerSettings(served_model_name="tiny", model_root=str(checkpoint))
     with running_server(create_app(engine, loaded.tokenizer, settings)) as url:
         assert engine.wait_ready(300)
