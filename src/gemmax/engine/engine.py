@@ -398,7 +398,7 @@ class BatchEngine:
             if self.mesh is None and jax.process_count() == 1:
                 self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
-            self._compile_declared()
+            declared = self._compile_declared()
             compiled = time.perf_counter()
             # Measured on CPU (built-in model): the first real request's prefill took 0.5-0.7 s against
             # 0.15-0.25 s for the next ones, though nothing compiled; a second run of the shape removes it.
@@ -411,7 +411,7 @@ class BatchEngine:
         self._init_device_state()
         self._init_prefix_cache()
         prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.decode_shapes)
-        shapes = len(self._declared_calls()) + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
+        shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
         executables = self.steps.summary()
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
@@ -450,9 +450,12 @@ class BatchEngine:
                 self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
 
     @_replayed
-    def _compile_declared(self) -> None:
-        """Compile (or load) every declared shape; each process of a mesh compiles its own."""
-        self.steps.compile_all(self._declared_calls())
+    def _compile_declared(self) -> int:
+        """Compile (or load) every declared shape; each process of a mesh compiles its own. Returns
+        how many shapes are declared."""
+        calls = self._declared_calls()
+        self.steps.compile_all(calls)
+        return len(calls)
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default

@@ -173,8 +173,7 @@ class CompiledStep:
         return self._table[key][0], True
 
     def __call__(self, *args, **statics):
-        entry = self._table.get(call_key(args, statics))
-        return (entry[0] if entry is not None else self._get(call_key(args, statics), args, statics)[0])(*args)
+        return self._get(call_key(args, statics), args, statics)[0](*args)
 
 
 class CompiledSteps:
