@@ -84,6 +84,33 @@ def test_batched_greedy_equals_generate_alone_for_any_mix(engine, loaded):
         assert not result.timings.uncompiled_shape  # warm-up compiled every shape this needed
 
 
+def test_prompts_arriving_together_prefill_in_one_forward_with_their_solo_tokens(engine, loaded):
+    """Requests queued at one moment (the engine's lock held while they are submitted, so one
+    admission sees them all) whose whole prompts fit a batched shape (3 slots, buckets 8 and 32:
+    groups of 2 and 3 prompts of up to 8 tokens) prefill in one forward; greedy and seeded sampled
+    requests alike give exactly their tokens alone, a prompt too long for a group prefills alone,
+    and a group of 2 arrives while others decode."""
+    assert engine.shapes.prefill_groups == ((2, 8), (3, 8))
+    sampled = SamplingParams(temperature=1.0, seed=321)
+    rng = np.random.default_rng(5)
+    wave = [(tuple(int(t) for t in rng.integers(3, 128, n)), budget, sampling)
+            for n, budget, sampling in ((2, 9, SamplingParams()), (8, 14, sampled), (5, 4, SamplingParams()),
+                                        (20, 6, SamplingParams()), (1, 12, sampled), (7, 5, SamplingParams()))]
+    with engine._lock:  # the first three take the 3 slots together; the rest queue for slots
+        handles = [engine.submit(GenerationRequest(p, n, s, ignore_eos=True)) for p, n, s in wave]
+    again = engine.submit(GenerationRequest(wave[1][0], wave[1][1], sampled, ignore_eos=True))
+    results = [h.wait() for h in handles]
+    for (prompt, budget, sampling), result in zip(wave, results, strict=True):
+        if sampling.temperature == 0:
+            assert list(result.token_ids) == _reference(loaded, prompt, budget), len(prompt)
+        assert not result.timings.uncompiled_shape
+    assert [r.timings.prefill_batch for r in results[:3]] == [3, 3, 3]
+    assert results[3].timings.prefill_batch == 1 and results[1].timings.prefill_bucket == 8
+    assert results[1].token_ids == again.wait().token_ids  # the seeded row drew its tokens as it does later
+    # the 4th waited for the 3rd (4 tokens); the 5th and 6th then took the next two free slots together
+    assert {r.timings.prefill_batch for r in results[4:]} <= {1, 2}
+
+
 def test_streamed_events_equal_final_tokens_and_usage_timings(engine):
     handle = engine.submit(GenerationRequest((5, 6, 7), max_tokens=7, ignore_eos=True))
     streamed = [event.token_id for event in handle]
@@ -287,6 +314,31 @@ def test_a_failing_prefill_fails_its_request_and_the_engine_keeps_serving(engine
     ok = engine.submit(GenerationRequest((7, 3, 4), 5, ignore_eos=True)).wait()
     assert ok.finish_reason == "length" and list(ok.token_ids) == _reference(loaded, (7, 3, 4), 5)
     assert engine.ready
+
+
+def test_a_failing_batched_prefill_fails_its_group_alone(engine, loaded, monkeypatch):
+    """A batched prefill that raises ends the requests of its group with the error; a request
+    decoding meanwhile, and the next group, are untouched."""
+    original = engine._run_prefill_rows
+
+    def broken(tokens, *args):
+        if 98 in tokens[:, 0]:
+            raise RuntimeError("simulated batched fault")
+        return original(tokens, *args)
+
+    running = engine.submit(GenerationRequest((7, 3, 4), 30, ignore_eos=True))
+    next(iter(running))
+    monkeypatch.setattr(engine, "_run_prefill_rows", broken)
+    with engine._lock:
+        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (98, 97)]
+    assert [h.wait().finish_reason for h in group] == ["error", "error"]
+    assert all("simulated batched fault" in h.result.error for h in group)
+    with engine._lock:
+        after = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (96, 95)]
+    for handle, first in zip(after, (96, 95), strict=True):
+        result = handle.wait()
+        assert result.timings.prefill_batch == 2 and list(result.token_ids) == _reference(loaded, (first, 5), 4)
+    assert list(running.wait().token_ids) == _reference(loaded, (7, 3, 4), 30) and engine.ready
 
 
 def test_shutdown_ends_every_queued_and_running_request(loaded):

@@ -149,3 +149,19 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_exact(engine):
     # prompt 3 shares 6 blocks with base but finds none, and stores base's first 5 again; base finds them.
     assert [g[0].cached_tokens for g in got] == [0, 40, 0, 0, 40]
     assert tiny.stats()["evicted_bytes"] > 0 and tiny.used_bytes <= tiny.budget_bytes
+
+
+def test_blocks_of_prompts_prefilled_together_are_cached(engine):
+    """Two whole 8-token prompts queued together prefill in one forward (a batched shape) and store
+    their block; a longer prompt starting with one of them copies that block and decodes exactly as
+    a fresh prefill of it."""
+    rng = np.random.default_rng(7)
+    a, b = _tokens(rng, BLOCK), _tokens(rng, BLOCK)
+    longer = a + _tokens(rng, 5)
+    fresh = _results(engine, [_request(longer, 6, salt="fresh")])[0]
+    with engine._lock:  # one admission sees both
+        handles = [engine.submit(_request(p, 3)) for p in (a, b)]
+    assert [h.wait().timings.prefill_batch for h in handles] == [2, 2]
+    got = _results(engine, [_request(longer, 6)])[0]
+    assert got[0].cached_tokens == BLOCK
+    _same(got, fresh)

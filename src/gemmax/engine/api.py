@@ -157,6 +157,7 @@ class RequestTimings:
     prefill_bucket: int  # padded prefill length actually compiled (sum over chunks)
     pad_tokens: int
     uncompiled_shape: bool  # True if this request triggered a compilation
+    prefill_batch: int = 1  # prompts prefilled in one forward with this one's last chunk, itself included
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,10 @@ reports ready, without running them, and kept on disk as executables that the ne
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
+    prefill_rows[g]   tokens [g, bucket] into g slots: g whole prompts of one bucket, each from
+                      position 0, in one forward (rows x bucket within the largest bucket; g a
+                      decode group size >= 2; `ShapePlan.prefill_groups`): requests that arrive
+                      together are prefilled together, reading the weights once, not g times
     prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
                       the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
                       per block-count bucket, compiled on first use, not at warm-up)
@@ -91,6 +95,7 @@ from gemmax.engine.steps import (
     decode_sample,
     decode_step,
     init_device_state,
+    prefill_rows,
     prefill_step,
     set_sampling_row,
     verify_rows,
@@ -101,7 +106,7 @@ from gemmax.model.forward import Precision
 log = logging.getLogger("gemmax.engine")
 
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
-COMPILED_STEPS = ("prefill_step", "decode_step", "decode_rows", "decode_forward", "decode_sample", "verify_rows")
+COMPILED_STEPS = ("prefill_step", "prefill_rows", "decode_step", "decode_rows", "decode_forward", "decode_sample", "verify_rows")
 
 
 def _replayed(method):
@@ -133,6 +138,7 @@ class _Slot:
     last_token_at: float | None = None
     bucket_total: int = 0
     pad_tokens: int = 0
+    prefill_batch: int = 1  # prompts prefilled in the forward of its last chunk (`_prefill_group`)
     uncompiled: bool = False
     cached_tokens: int = 0  # prompt tokens copied from the prefix cache, not prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -172,7 +178,9 @@ class BatchEngine:
         self.precision: Precision = policy.precision()
         self._max_model_len = max_model_len
         self.max_batch = max_batch
-        self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or loaded.policy.prefill_buckets)
+        # Batched prefill (several whole prompts in one forward) runs on one device, rows not invariant.
+        self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or loaded.policy.prefill_buckets,
+                                       batched_prefill=mesh is None and not batch_invariant)
         # The draft model (None: none): its own cache, one row per slot, in the same shapes.
         self.drafter: Drafter | None = None
         if draft is not None:
@@ -189,7 +197,7 @@ class BatchEngine:
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
-        self.steps = types.SimpleNamespace(prefill_step=prefill_step, decode_step=decode_step,
+        self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, decode_step=decode_step,
                                            decode_rows=decode_rows, decode_forward=decode_forward,
                                            decode_sample=decode_sample, verify_rows=verify_rows,
                                            init_device_state=init_device_state)
@@ -279,6 +287,7 @@ class BatchEngine:
             "max_model_len": self.max_model_len,
             "max_batch": self.max_batch,
             "prefill_buckets": list(self.shapes.buckets),
+            "prefill_groups": [list(group) for group in self.shapes.prefill_groups],
             "steps_per_dispatch": self.steps_per_dispatch,
             "batch_invariant": self.batch_invariant,
             "decode_groups": list(self.shapes.decode_groups),
@@ -404,6 +413,7 @@ class BatchEngine:
             # 0.15-0.25 s for the next ones, though nothing compiled; a second run of the shape removes it.
             self._throwaway_requests(self.shapes.buckets[:1])
             self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
+            self._throwaway_group()
             if self.drafter is not None:
                 self._warm_up_draft()
             jax.block_until_ready(self.device)
@@ -427,6 +437,9 @@ class BatchEngine:
         verify steps of speculative decoding."""
         calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True, False))
                  for (bucket, _), start in self.shapes.prefill_shapes().items()]
+        calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows),
+                                                            np.zeros(rows, np.int32), np.zeros(rows, np.bool_)))
+                  for rows, bucket in self.shapes.prefill_groups]
         for size, kv_len in self.shapes.decode_shapes:
             rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
             calls.append(("decode_step" if rows is None else "decode_rows",
@@ -464,9 +477,22 @@ class BatchEngine:
             prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
             request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
                                         logprobs=1 if bucket == self.shapes.buckets[0] else None)
-            self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter())
+            self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter(),
+                               *self._prefix_lookup(request))
             while self._slots[0] is not None:
                 self._decode_dispatch()
+
+    def _throwaway_group(self) -> None:
+        """The smallest batched prefill shape, run once through `_prefill_group` (its first run is
+        slower than the next ones, as the single prefill's is), its rows decoded to their end."""
+        if not self.shapes.prefill_groups:
+            return
+        rows, bucket = self.shapes.prefill_groups[0]
+        request = GenerationRequest((self.config.bos_token_id,) * bucket, max_tokens=2, ignore_eos=True)
+        self._prefill_group([(i, RequestHandle("warm-up", request), time.perf_counter(), [], None)
+                             for i in range(rows)], bucket)
+        while any(slot is not None for slot in self._slots):
+            self._decode_dispatch()
 
     # ------------------------------------------------------------------------------ device calls
     @_replayed
@@ -492,6 +518,20 @@ class BatchEngine:
         args, statics = self._prefill_args(tokens, slot, start, num_new, last_chunk, want_logprobs, mask)
         self.device, out = self.steps.prefill_step(*args, **statics)
         return out, self.steps.prefill_step.size() != before
+
+    def _prefill_rows_args(self, tokens: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
+                           want_logprobs: np.ndarray) -> tuple[tuple, dict[str, Any]]:
+        return ((self.params, self.device, jnp.asarray(tokens), jnp.asarray(rows, jnp.int32), jnp.asarray(num_new),
+                 jnp.asarray(want_logprobs)), {"config": self.config, "precision": self.precision})
+
+    @_replayed
+    def _run_prefill_rows(self, tokens: np.ndarray, rows: np.ndarray, num_new: np.ndarray, want_logprobs: np.ndarray):
+        """One batched prefill (steps.prefill_rows); returns its outputs per row, still being
+        computed, and whether its shape compiled now."""
+        before = self.steps.prefill_rows.size()
+        args, statics = self._prefill_rows_args(tokens, rows, num_new, want_logprobs)
+        self.device, out = self.steps.prefill_rows(*args, **statics)
+        return out, self.steps.prefill_rows.size() != before
 
     def _decode_args(self, want: jax.Array, rows: np.ndarray | None, kv_len: int) -> tuple[tuple, dict[str, Any]]:
         """decode_step's (every slot: `rows` None) or decode_rows' arguments."""
@@ -620,40 +660,73 @@ class BatchEngine:
     def _admit(self) -> None:
         """Prefill queued requests into free slots: at most as many as there were free slots when
         this call began, so requests that finish at their first token (max_tokens=1) free slots for
-        the next iteration, not this one, and the running requests' decode always gets its turn."""
+        the next iteration, not this one, and the running requests' decode always gets its turn.
+        Whole prompts that fit a batched prefill shape are prefilled several at once, one forward
+        per group (`_prefill_group`); the others one at a time (`_prefill_into`), in arrival order."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
                 self._queue.remove(entry)
-            budget = sum(s is None for s in self._slots)
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
-        while budget > 0:
-            with self._lock:
-                free = [i for i, s in enumerate(self._slots) if s is None]
-                if not free or not self._queue:
-                    return
-                handle, submitted = self._queue.popleft()
-            if handle.cancelled:  # cancelled since the sweep above: never prefilled
-                self._finish_unstarted(handle, submitted)
-                continue
-            budget -= 1
+        groups: dict[int, list] = {}
+        units: list[tuple[int | None, list]] = []  # (group bucket or None: alone, entries)
+        for slot, handle, submitted in taken:
+            keys, hit = self._prefix_lookup(handle.request)
+            entry = (slot, handle, submitted, keys, hit)
+            bucket = None if hit is not None and hit.blocks else self._group_bucket(handle.request)
+            if bucket is None:
+                units.append((None, [entry]))
+            else:
+                groups.setdefault(bucket, []).append(entry)
+        for bucket, entries in groups.items():
+            while len(entries) > 1:
+                size = self.shapes.prefill_group(len(entries), bucket)
+                units.append((bucket, entries[:size]))
+                entries = entries[size:]
+            units += [(None, [entry]) for entry in entries]
+        for bucket, entries in sorted(units, key=lambda unit: unit[1][0][2]):  # by first arrival
             try:
-                self._prefill_into(free[0], handle, submitted)
-            except Exception as exc:  # this request ends with the error, and only this one
-                log.exception("prefill of %s failed", handle.request_id)
-                error = f"{type(exc).__name__}: {exc}"
-                slot = self._slots[free[0]]
-                if slot is not None and slot.handle is handle:
-                    self._finish(free[0], "error", error=error)
-                elif handle.result is None:
-                    self._finish_unstarted(handle, submitted, "error", error)
+                if bucket is None:
+                    self._prefill_into(*entries[0])
+                else:
+                    self._prefill_group(entries, bucket)
+            except Exception as exc:  # these requests end with the error, and only these
+                log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
+                for slot, handle, submitted, *_ in entries:
+                    self._fail_admission(slot, handle, submitted, exc)
                 self._recover_device_state(exc)
 
-    def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float) -> None:
+    def _fail_admission(self, slot_index: int, handle: RequestHandle, submitted: float, exc: Exception) -> None:
+        """End the request `handle`, whose prefill into `slot_index` failed, with the error."""
+        error = f"{type(exc).__name__}: {exc}"
+        slot = self._slots[slot_index]
+        if slot is not None and slot.handle is handle:
+            self._finish(slot_index, "error", error=error)
+        elif handle.result is None:
+            self._finish_unstarted(handle, submitted, "error", error)
+
+    def _group_bucket(self, request: GenerationRequest) -> int | None:
+        """The bucket a request's whole prompt takes in a batched prefill, or None when it prefills
+        alone: no batched shape holds it, or its first token needs a constraint's mask."""
+        if request.constraint is not None:
+            return None
+        return self.shapes.group_bucket(len(request.prompt_ids))
+
+    def _prefix_lookup(self, request: GenerationRequest):
+        """(block keys, hit) of the request's prompt in the prefix cache; ([], None) with caching off."""
+        if self.prefix_cache is None:
+            return [], None
+        keys = self.prefix_cache.keys(request.prompt_ids, request.cache_salt)
+        return keys, self.prefix_cache.lookup(keys, len(request.prompt_ids))
+
+    def _open_slot(self, slot_index: int, handle: RequestHandle, submitted: float, admitted: float) -> _Slot:
+        """The host bookkeeping of a request about to be prefilled into `slot_index`, and its sampling
+        settings in the slot (the prefill draws its first token with them)."""
         request = handle.request
         prompt = list(request.prompt_ids)
-        admitted = time.perf_counter()
         stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else frozenset(self.eos_token_ids))
         slot = _Slot(handle=handle, request=request, stop_ids=stop_ids,
                      budget=min(request.max_tokens, self.max_model_len - len(prompt)),
@@ -662,6 +735,60 @@ class BatchEngine:
         if self.schedule is not None and sampling.seed is None:  # every process draws the same row key
             sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence().entropy % (2**31)))
         self._set_sampling_row(slot_index, sampling, prompt)
+        return slot
+
+    def _begin(self, slot_index: int, slot: _Slot, token: int, lp: float, top_ids, top_lp) -> None:
+        """A prefilled request starts decoding in its slot with its first token."""
+        request = slot.request
+        if self.drafter is not None and _drafts(request):  # the whole prompt (the prefix cache holds the target's KV)
+            self.drafter.prefill(slot_index, list(request.prompt_ids))
+        now = time.perf_counter()
+        slot.prefill_seconds = now - slot.admitted
+        self._slots[slot_index] = slot
+        self.want_logprobs[slot_index] = request.logprobs is not None
+        self._set_slot(slot_index, token=int(token), position=len(request.prompt_ids), remaining=0)
+        if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
+            # budget counts the token just produced; the device runs while tokens are still owed
+            self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+
+    def _prefill_group(self, entries: list, bucket: int) -> None:
+        """Prefill the whole prompts of `entries` ((slot, handle, submitted, block keys, prefix hit),
+        no hit, each prompt at most `bucket` tokens) in one forward of the smallest batched shape
+        that holds them (steps.prefill_rows; idle rows of the shape are other slots, which it leaves
+        as they are), then start each one decoding."""
+        size = self.shapes.prefill_group(len(entries), bucket)
+        admitted = time.perf_counter()
+        slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
+        used = [entry[0] for entry in entries]
+        rows = used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)]
+        tokens = np.zeros((size, bucket), np.int32)
+        num_new, want = np.zeros(size, np.int32), np.zeros(size, np.bool_)
+        for j, slot in enumerate(slots):
+            prompt = slot.request.prompt_ids
+            tokens[j, : len(prompt)], num_new[j], want[j] = prompt, len(prompt), slot.request.logprobs is not None
+        out, compiled = self._run_prefill_rows(tokens, np.asarray(rows, np.int32), num_new, want)
+        ids, lps, top_ids, top_lps = jax.device_get(out)
+        for j, ((i, handle, submitted, keys, _), slot) in enumerate(zip(entries, slots, strict=True)):
+            slot.uncompiled, slot.bucket_total, slot.pad_tokens = compiled, bucket, bucket - int(num_new[j])
+            slot.prefill_batch = len(entries)
+            try:
+                if handle.cancelled:  # the client went away during the prefill: the slot stays free
+                    self._finish_unstarted(handle, submitted)
+                    continue
+                if self.prefix_cache is not None:  # its complete blocks, while the rings hold them
+                    slot.uncompiled |= self.prefix_cache.store(self.device.cache, i, keys, int(num_new[j]))
+                self._begin(i, slot, ids[j], lps[j], top_ids[j], top_lps[j])
+            except Exception as exc:  # this request ends with the error, and only this one
+                log.exception("starting %s failed", handle.request_id)
+                self._fail_admission(i, handle, submitted, exc)
+
+    def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float, keys: list[bytes],
+                      hit) -> None:
+        """Prefill one request's prompt alone, chunk by chunk (`plan_chunks`), into `slot_index`,
+        after the prefix `hit` (from `_prefix_lookup`) copied from the prefix cache."""
+        request = handle.request
+        prompt = list(request.prompt_ids)
+        slot = self._open_slot(slot_index, handle, submitted, time.perf_counter())
         want = request.logprobs is not None
         mask = None
         if request.constraint is not None:
@@ -669,7 +796,7 @@ class BatchEngine:
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
             compiler.fill_rows([(slot.matcher, 0)], mask)
-        chunks, keys = self._plan_prefill(slot_index, slot, prompt)
+        chunks = self._plan_prefill(slot_index, slot, prompt, hit)
         start = slot.cached_tokens
         for index, (real, bucket) in enumerate(chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
@@ -684,33 +811,21 @@ class BatchEngine:
             start += real
             if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
                 slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
-        if self.drafter is not None and _drafts(request):  # the whole prompt (the prefix cache holds the target's KV)
-            self.drafter.prefill(slot_index, prompt)
-        token, lp, top_ids, top_lp = jax.device_get(out)
-        now = time.perf_counter()
-        slot.prefill_seconds = now - admitted
-        self._slots[slot_index] = slot
-        self.want_logprobs[slot_index] = want
-        self._set_slot(slot_index, token=int(token), position=len(prompt), remaining=0)
-        if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
-            # budget counts the token just produced; the device runs while tokens are still owed
-            self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
+        self._begin(slot_index, slot, *jax.device_get(out))
 
-    def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int]) -> tuple[list[tuple[int, int]], list[bytes]]:
-        """The chunks that prefill `prompt` into slot `slot_index`, and its block keys. With prefix
-        caching the longest cached prefix is first copied into the slot (`slot.cached_tokens`) and the
-        chunks start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
+    def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
+        """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
+        cached prefix (`hit`) is first copied into the slot (`slot.cached_tokens`) and the chunks
+        start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
         prefixes = self.prefix_cache
         if prefixes is None:
-            return plan_chunks(len(prompt), self.shapes.buckets), []
-        keys = prefixes.keys(prompt, slot.request.cache_salt)
-        hit = prefixes.lookup(keys, len(prompt))
+            return plan_chunks(len(prompt), self.shapes.buckets)
         if hit.blocks:
             cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
             self.device = dataclasses.replace(self.device, cache=cache)
             slot.uncompiled |= compiled
             slot.cached_tokens = hit.tokens
-        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets), keys
+        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets)
 
     def _constraint_compiler(self):
         """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""
@@ -875,6 +990,7 @@ class BatchEngine:
             prefill_bucket=slot.bucket_total,
             pad_tokens=slot.pad_tokens,
             uncompiled_shape=slot.uncompiled,
+            prefill_batch=slot.prefill_batch,
         )
         verdict = check_degeneracy(slot.tokens)
         if verdict.degenerate:  # the server logs it at warning level with the API request id

@@ -57,6 +57,18 @@ def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> di
     return shapes
 
 
+def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...],
+                   max_model_len: int) -> tuple[tuple[int, int], ...]:
+    """(rows, bucket) of the batched prefill shapes: several whole prompts of one bucket in one
+    forward (steps.prefill_rows), for every decode group size of 2 rows or more whose rows x bucket
+    tokens fit in the largest bucket (the token budget one prefill chunk has, so a batched prefill
+    takes no more activation memory than the largest chunk, and no longer than it). A prompt must
+    leave room for a generated token: the bucket is below max_model_len."""
+    budget = buckets[-1]
+    return tuple((rows, bucket) for bucket in buckets if bucket < max_model_len
+                 for rows in decode_groups if rows >= 2 and rows * bucket <= budget)
+
+
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
     """Static bounds on the cache slots a decode step reads: 256, 1024, 4096 ... (x4),
     capped by and ending at max_model_len. Attention then costs what the context uses."""
@@ -80,12 +92,15 @@ class ShapePlan:
     buckets: tuple[int, ...]  # prefill chunk lengths (`prefill_buckets`)
     decode_groups: tuple[int, ...]  # slot counts a decode step is compiled for; the last is every slot
     kv_buckets: tuple[int, ...]  # KV-length bounds (`kv_buckets`)
+    prefill_groups: tuple[tuple[int, int], ...] = ()  # (rows, bucket) of batched prefills (`prefill_groups`)
 
     @classmethod
-    def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...]) -> ShapePlan:
-        return cls(max_model_len=max_model_len, slots=slots, buckets=prefill_buckets(max_model_len, buckets),
-                   decode_groups=tuple(g for g in GROUP_SIZES if g < slots) + (slots,),
-                   kv_buckets=kv_buckets(max_model_len))
+    def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...], batched_prefill: bool = True) -> ShapePlan:
+        fitting = prefill_buckets(max_model_len, buckets)
+        decode_groups = tuple(g for g in GROUP_SIZES if g < slots) + (slots,)
+        return cls(max_model_len=max_model_len, slots=slots, buckets=fitting, decode_groups=decode_groups,
+                   kv_buckets=kv_buckets(max_model_len),
+                   prefill_groups=prefill_groups(fitting, decode_groups, max_model_len) if batched_prefill else ())
 
     def kv_bound(self, tokens: int) -> int:
         """The smallest KV-length bucket that holds `tokens` cached positions."""
@@ -94,6 +109,18 @@ class ShapePlan:
     def group_size(self, active: int) -> int:
         """The smallest compiled decode group that holds `active` slots."""
         return next(g for g in self.decode_groups if g >= active)
+
+    def prefill_group(self, prompts: int, bucket: int) -> int:
+        """Rows of the batched prefill shape that takes `prompts` (>= 2) whole prompts of `bucket`: the
+        smallest compiled group that holds them all, else the largest (the rest go in a next group);
+        0 when the bucket has none."""
+        sizes = [rows for rows, b in self.prefill_groups if b == bucket]
+        return next((rows for rows in sizes if rows >= prompts), max(sizes, default=0))
+
+    def group_bucket(self, prompt_len: int) -> int | None:
+        """The bucket a prompt of `prompt_len` tokens takes in a batched prefill (whole, from position 0),
+        or None when no batched shape holds it."""
+        return next((b for b in sorted({b for _, b in self.prefill_groups}) if b >= prompt_len), None)
 
     def prefill_shapes(self) -> dict[tuple[int, int], int]:
         """{(bucket, KV bound): a chunk start that needs it} (see `prefill_shapes`)."""

@@ -1,4 +1,5 @@
-"""The jitted device steps of the batching engine: prefill of one chunk into one slot, a decode step
+"""The jitted device steps of the batching engine: prefill of one chunk into one slot, prefill of
+several whole short prompts into several slots in one forward (`prefill_rows`), a decode step
 of every slot, a decode step of a group of slots (or, for constrained decoding, the same step
 as two dispatches: `decode_forward`, `decode_sample`), and the speculative verify step of a group
 of slots, over one `DeviceState` pytree that each donates and returns. Each takes `config`,
@@ -97,6 +98,26 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     device = dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot),
                                  sampling=_put_rows(device.sampling, row_state, slot))
     return device, (ids[0], lp[0], top_ids[0], top_lp[0])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("device",))
+def prefill_rows(params, device: DeviceState, tokens, rows, num_new, want_logprobs, *, config, precision):
+    """Prefill whole prompts into several slots at once and draw each one's first token: tokens
+    [P, bucket] (row j's first num_new[j] real, the rest padding) into the slots `rows` [P]
+    (distinct), every prompt from position 0 in this one chunk. One forward over P x bucket tokens
+    reads the weights once for all P prompts, where P one-slot prefills read them P times. Rows
+    with num_new 0 are padding (any other slots, running or not): they write nothing and keep their
+    sampling state. Only the first `bucket` cache slots of each row move, and attention reads no
+    cached slot (nothing before position 0). Returns (device, (ids, logprobs, top ids, top
+    logprobs)) per row of `rows`."""
+    bucket = tokens.shape[1]
+    sub = _gather(device, rows, bucket)
+    real = num_new > 0
+    logits, cache = forward(params, sub.cache, tokens, jnp.zeros_like(num_new), num_new, config=config,
+                            precision=precision, kv_len=0)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, real)
+    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling), rows, bucket), \
+        (ids, lp, top_ids, top_lp)
 
 
 def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant):

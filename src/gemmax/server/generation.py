@@ -371,6 +371,7 @@ class Job:
             "decode_seconds": decode_seconds,
             "prefill_bucket": sum(t.prefill_bucket for t in timings),
             "pad_tokens": sum(t.pad_tokens for t in timings),
+            "prefill_batch": max((t.prefill_batch for t in timings), default=1),
             "uncompiled_shape": any(t.uncompiled_shape for t in timings),
             "degenerate": any(r.degeneracy.degenerate for r in results),
             "speculative": speculative_usage([r.speculation for r in results if r.speculation is not None]),
