@@ -109,6 +109,15 @@ def test_prompts_arriving_together_prefill_in_one_forward_with_their_solo_tokens
     assert results[1].token_ids == again.wait().token_ids  # the seeded row drew its tokens as it does later
     # the 4th waited for the 3rd (4 tokens); the 5th and 6th then took the next two free slots together
     assert {r.timings.prefill_batch for r in results[4:]} <= {1, 2}
+    # prompts of two chunks (8 + the rest) prefill together chunk by chunk
+    assert plan_chunks(12, engine.shapes.buckets) == [(8, 8), (4, 8)]
+    two = [(tuple(int(t) for t in rng.integers(3, 128, n)), budget) for n, budget in ((12, 7), (15, 9), (10, 5))]
+    with engine._lock:
+        handles = [engine.submit(GenerationRequest(p, n, ignore_eos=True)) for p, n in two]
+    for (prompt, budget), handle in zip(two, handles, strict=True):
+        result = handle.wait()
+        assert (result.timings.prefill_batch, result.timings.prefill_bucket) == (3, 16)
+        assert list(result.token_ids) == _reference(loaded, prompt, budget), len(prompt)
 
 
 def test_streamed_events_equal_final_tokens_and_usage_timings(engine):

@@ -437,8 +437,8 @@ class BatchEngine:
         verify steps of speculative decoding."""
         calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True, False))
                  for (bucket, _), start in self.shapes.prefill_shapes().items()]
-        calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows),
-                                                            np.zeros(rows, np.int32), np.zeros(rows, np.bool_)))
+        calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows), 0,
+                                                            np.zeros(rows, np.int32), True, np.zeros(rows, np.bool_)))
                   for rows, bucket in self.shapes.prefill_groups]
         for size, kv_len in self.shapes.decode_shapes:
             rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
@@ -490,7 +490,7 @@ class BatchEngine:
         rows, bucket = self.shapes.prefill_groups[0]
         request = GenerationRequest((self.config.bos_token_id,) * bucket, max_tokens=2, ignore_eos=True)
         self._prefill_group([(i, RequestHandle("warm-up", request), time.perf_counter(), [], None)
-                             for i in range(rows)], bucket)
+                             for i in range(rows)], (bucket,))
         while any(slot is not None for slot in self._slots):
             self._decode_dispatch()
 
@@ -519,17 +519,19 @@ class BatchEngine:
         self.device, out = self.steps.prefill_step(*args, **statics)
         return out, self.steps.prefill_step.size() != before
 
-    def _prefill_rows_args(self, tokens: np.ndarray, rows: np.ndarray, num_new: np.ndarray,
-                           want_logprobs: np.ndarray) -> tuple[tuple, dict[str, Any]]:
-        return ((self.params, self.device, jnp.asarray(tokens), jnp.asarray(rows, jnp.int32), jnp.asarray(num_new),
-                 jnp.asarray(want_logprobs)), {"config": self.config, "precision": self.precision})
+    def _prefill_rows_args(self, tokens: np.ndarray, rows: np.ndarray, start: int, num_new: np.ndarray,
+                           last_chunk: bool, want_logprobs: np.ndarray) -> tuple[tuple, dict[str, Any]]:
+        return ((self.params, self.device, jnp.asarray(tokens), jnp.asarray(rows, jnp.int32), jnp.int32(start),
+                 jnp.asarray(num_new), jnp.bool_(last_chunk), jnp.asarray(want_logprobs)),
+                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.group_kv})
 
     @_replayed
-    def _run_prefill_rows(self, tokens: np.ndarray, rows: np.ndarray, num_new: np.ndarray, want_logprobs: np.ndarray):
-        """One batched prefill (steps.prefill_rows); returns its outputs per row, still being
-        computed, and whether its shape compiled now."""
+    def _run_prefill_rows(self, tokens: np.ndarray, rows: np.ndarray, start: int, num_new: np.ndarray,
+                          last_chunk: bool, want_logprobs: np.ndarray):
+        """One chunk of a batched prefill (steps.prefill_rows); returns its outputs per row, still
+        being computed, and whether its shape compiled now."""
         before = self.steps.prefill_rows.size()
-        args, statics = self._prefill_rows_args(tokens, rows, num_new, want_logprobs)
+        args, statics = self._prefill_rows_args(tokens, rows, start, num_new, last_chunk, want_logprobs)
         self.device, out = self.steps.prefill_rows(*args, **statics)
         return out, self.steps.prefill_rows.size() != before
 
@@ -671,28 +673,28 @@ class BatchEngine:
             taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
-        groups: dict[int, list] = {}
-        units: list[tuple[int | None, list]] = []  # (group bucket or None: alone, entries)
+        groups: dict[tuple[int, ...], list] = {}  # prompts by the buckets of their chunks
+        units: list[tuple[tuple[int, ...] | None, list]] = []  # (chunk buckets of a group, or None: alone; entries)
         for slot, handle, submitted in taken:
             keys, hit = self._prefix_lookup(handle.request)
             entry = (slot, handle, submitted, keys, hit)
-            bucket = None if hit is not None and hit.blocks else self._group_bucket(handle.request)
-            if bucket is None:
+            buckets = None if hit is not None and hit.blocks else self._group_buckets(handle.request)
+            if buckets is None:
                 units.append((None, [entry]))
             else:
-                groups.setdefault(bucket, []).append(entry)
-        for bucket, entries in groups.items():
+                groups.setdefault(buckets, []).append(entry)
+        for buckets, entries in groups.items():
             while len(entries) > 1:
-                size = self.shapes.prefill_group(len(entries), bucket)
-                units.append((bucket, entries[:size]))
+                size = self.shapes.prefill_group(len(entries), buckets)
+                units.append((buckets, entries[:size]))
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]
-        for bucket, entries in sorted(units, key=lambda unit: unit[1][0][2]):  # by first arrival
+        for buckets, entries in sorted(units, key=lambda unit: unit[1][0][2]):  # by first arrival
             try:
-                if bucket is None:
+                if buckets is None:
                     self._prefill_into(*entries[0])
                 else:
-                    self._prefill_group(entries, bucket)
+                    self._prefill_group(entries, buckets)
             except Exception as exc:  # these requests end with the error, and only these
                 log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
                 for slot, handle, submitted, *_ in entries:
@@ -708,12 +710,20 @@ class BatchEngine:
         elif handle.result is None:
             self._finish_unstarted(handle, submitted, "error", error)
 
-    def _group_bucket(self, request: GenerationRequest) -> int | None:
-        """The bucket a request's whole prompt takes in a batched prefill, or None when it prefills
-        alone: no batched shape holds it, or its first token needs a constraint's mask."""
+    def _chunks(self, prompt_len: int, cached: int = 0) -> list[tuple[int, int]]:
+        """The chunks that prefill a prompt after `cached` tokens copied from the prefix cache: with
+        prefix caching they end on block boundaries (gemmax.engine.prefix_cache), else `plan_chunks`."""
+        if self.prefix_cache is None:
+            return plan_chunks(prompt_len, self.shapes.buckets)
+        return self.prefix_cache.plan(cached, prompt_len, self.shapes.buckets)
+
+    def _group_buckets(self, request: GenerationRequest) -> tuple[int, ...] | None:
+        """The buckets of a request's chunks when it can prefill in a batched group (with prompts
+        of the same chunk buckets), or None when it prefills alone: its chunks have no batched
+        shape, or its first token needs a constraint's mask."""
         if request.constraint is not None:
             return None
-        return self.shapes.group_bucket(len(request.prompt_ids))
+        return self.shapes.group_buckets(self._chunks(len(request.prompt_ids)))
 
     def _prefix_lookup(self, request: GenerationRequest):
         """(block keys, hit) of the request's prompt in the prefix cache; ([], None) with caching off."""
@@ -751,32 +761,41 @@ class BatchEngine:
             # budget counts the token just produced; the device runs while tokens are still owed
             self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
-    def _prefill_group(self, entries: list, bucket: int) -> None:
-        """Prefill the whole prompts of `entries` ((slot, handle, submitted, block keys, prefix hit),
-        no hit, each prompt at most `bucket` tokens) in one forward of the smallest batched shape
-        that holds them (steps.prefill_rows; idle rows of the shape are other slots, which it leaves
-        as they are), then start each one decoding."""
-        size = self.shapes.prefill_group(len(entries), bucket)
+    def _prefill_group(self, entries: list, buckets: tuple[int, ...]) -> None:
+        """Prefill the prompts of `entries` ((slot, handle, submitted, block keys, prefix hit), no
+        hit), whose chunks all have `buckets`, chunk by chunk, each chunk of every prompt in one
+        forward of the smallest batched shape that holds them (steps.prefill_rows; idle rows of the
+        shape are other slots, which it leaves as they are), then start each one decoding. Every
+        chunk but the last is full, so a chunk starts at the same position in every prompt."""
+        size = self.shapes.prefill_group(len(entries), buckets)
         admitted = time.perf_counter()
         slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
         used = [entry[0] for entry in entries]
-        rows = used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)]
-        tokens = np.zeros((size, bucket), np.int32)
-        num_new, want = np.zeros(size, np.int32), np.zeros(size, np.bool_)
-        for j, slot in enumerate(slots):
-            prompt = slot.request.prompt_ids
-            tokens[j, : len(prompt)], num_new[j], want[j] = prompt, len(prompt), slot.request.logprobs is not None
-        out, compiled = self._run_prefill_rows(tokens, np.asarray(rows, np.int32), num_new, want)
+        rows = np.asarray(used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)], np.int32)
+        want = np.zeros(size, np.bool_)
+        want[: len(slots)] = [slot.request.logprobs is not None for slot in slots]
+        plans = [self._chunks(len(slot.request.prompt_ids)) for slot in slots]
+        start, compiled = 0, False
+        for index, bucket in enumerate(buckets):
+            tokens, num_new = np.zeros((size, bucket), np.int32), np.zeros(size, np.int32)
+            for j, (slot, plan) in enumerate(zip(slots, plans, strict=True)):
+                real = plan[index][0]
+                tokens[j, :real], num_new[j] = slot.request.prompt_ids[start : start + real], real
+            out, new = self._run_prefill_rows(tokens, rows, start, num_new, index == len(buckets) - 1, want)
+            compiled |= new
+            if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
+                for (i, _, _, keys, _), slot, real in zip(entries, slots, num_new, strict=False):
+                    slot.uncompiled |= self.prefix_cache.store(self.device.cache, i, keys, start + int(real))
+            start += bucket
         ids, lps, top_ids, top_lps = jax.device_get(out)
-        for j, ((i, handle, submitted, keys, _), slot) in enumerate(zip(entries, slots, strict=True)):
-            slot.uncompiled, slot.bucket_total, slot.pad_tokens = compiled, bucket, bucket - int(num_new[j])
-            slot.prefill_batch = len(entries)
+        for j, ((i, handle, submitted, _, _), slot) in enumerate(zip(entries, slots, strict=True)):
+            slot.uncompiled |= compiled
+            slot.bucket_total, slot.prefill_batch = sum(buckets), len(entries)
+            slot.pad_tokens = slot.bucket_total - len(slot.request.prompt_ids)
             try:
                 if handle.cancelled:  # the client went away during the prefill: the slot stays free
                     self._finish_unstarted(handle, submitted)
                     continue
-                if self.prefix_cache is not None:  # its complete blocks, while the rings hold them
-                    slot.uncompiled |= self.prefix_cache.store(self.device.cache, i, keys, int(num_new[j]))
                 self._begin(i, slot, ids[j], lps[j], top_ids[j], top_lps[j])
             except Exception as exc:  # this request ends with the error, and only this one
                 log.exception("starting %s failed", handle.request_id)
@@ -817,15 +836,12 @@ class BatchEngine:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
         cached prefix (`hit`) is first copied into the slot (`slot.cached_tokens`) and the chunks
         start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
-        prefixes = self.prefix_cache
-        if prefixes is None:
-            return plan_chunks(len(prompt), self.shapes.buckets)
-        if hit.blocks:
-            cache, compiled = prefixes.load(self.device.cache, slot_index, hit)
+        if hit is not None and hit.blocks:
+            cache, compiled = self.prefix_cache.load(self.device.cache, slot_index, hit)
             self.device = dataclasses.replace(self.device, cache=cache)
             slot.uncompiled |= compiled
             slot.cached_tokens = hit.tokens
-        return prefixes.plan(slot.cached_tokens, len(prompt), self.shapes.buckets)
+        return self._chunks(len(prompt), slot.cached_tokens)
 
     def _constraint_compiler(self):
         """The llguidance compiler over this checkpoint's tokenizer (built once, on first use)."""

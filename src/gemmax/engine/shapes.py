@@ -57,15 +57,14 @@ def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> di
     return shapes
 
 
-def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...],
-                   max_model_len: int) -> tuple[tuple[int, int], ...]:
-    """(rows, bucket) of the batched prefill shapes: several whole prompts of one bucket in one
-    forward (steps.prefill_rows), for every decode group size of 2 rows or more whose rows x bucket
-    tokens fit in the largest bucket (the token budget one prefill chunk has, so a batched prefill
-    takes no more activation memory than the largest chunk, and no longer than it). A prompt must
-    leave room for a generated token: the bucket is below max_model_len."""
+def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], group_kv: int) -> tuple[tuple[int, int], ...]:
+    """(rows, bucket) of the batched prefill shapes: one chunk of several prompts in one forward
+    (steps.prefill_rows), for every decode group size of 2 rows or more whose rows x bucket tokens
+    fit in the largest bucket (the token budget one prefill chunk has, so a batched chunk takes no
+    more activation memory than the largest chunk, and no longer than it), and every bucket whose
+    chunks can end within `group_kv` (the smallest KV bound: the one KV bound they are compiled for)."""
     budget = buckets[-1]
-    return tuple((rows, bucket) for bucket in buckets if bucket < max_model_len
+    return tuple((rows, bucket) for bucket in buckets if bucket <= group_kv
                  for rows in decode_groups if rows >= 2 and rows * bucket <= budget)
 
 
@@ -100,7 +99,8 @@ class ShapePlan:
         decode_groups = tuple(g for g in GROUP_SIZES if g < slots) + (slots,)
         return cls(max_model_len=max_model_len, slots=slots, buckets=fitting, decode_groups=decode_groups,
                    kv_buckets=kv_buckets(max_model_len),
-                   prefill_groups=prefill_groups(fitting, decode_groups, max_model_len) if batched_prefill else ())
+                   prefill_groups=prefill_groups(fitting, decode_groups, kv_buckets(max_model_len)[0])
+                   if batched_prefill else ())
 
     def kv_bound(self, tokens: int) -> int:
         """The smallest KV-length bucket that holds `tokens` cached positions."""
@@ -110,17 +110,30 @@ class ShapePlan:
         """The smallest compiled decode group that holds `active` slots."""
         return next(g for g in self.decode_groups if g >= active)
 
-    def prefill_group(self, prompts: int, bucket: int) -> int:
-        """Rows of the batched prefill shape that takes `prompts` (>= 2) whole prompts of `bucket`: the
-        smallest compiled group that holds them all, else the largest (the rest go in a next group);
-        0 when the bucket has none."""
-        sizes = [rows for rows, b in self.prefill_groups if b == bucket]
-        return next((rows for rows in sizes if rows >= prompts), max(sizes, default=0))
+    @property
+    def group_kv(self) -> int:
+        """The KV bound of every batched prefill shape (the smallest KV bucket)."""
+        return self.kv_buckets[0]
 
-    def group_bucket(self, prompt_len: int) -> int | None:
-        """The bucket a prompt of `prompt_len` tokens takes in a batched prefill (whole, from position 0),
-        or None when no batched shape holds it."""
-        return next((b for b in sorted({b for _, b in self.prefill_groups}) if b >= prompt_len), None)
+    def group_buckets(self, chunks: list[tuple[int, int]]) -> tuple[int, ...] | None:
+        """The bucket of each chunk of a prompt's plan (`plan_chunks`) when a batched prefill can take
+        it, chunk by chunk with prompts of the same plan: every chunk has a group shape and ends
+        within `group_kv`. None: it prefills alone."""
+        have = {bucket for _, bucket in self.prefill_groups}
+        start = 0
+        for real, bucket in chunks:
+            if bucket not in have or start + bucket > self.group_kv:
+                return None
+            start += real
+        return tuple(bucket for _, bucket in chunks)
+
+    def prefill_group(self, prompts: int, buckets: tuple[int, ...]) -> int:
+        """Rows of the batched shapes that take `prompts` (>= 2) prompts whose chunks have `buckets`:
+        the smallest group size compiled for every one of those buckets that holds them all, else the
+        largest (the rest go in a next group)."""
+        sizes = sorted(set.intersection(*({rows for rows, b in self.prefill_groups if b == bucket}
+                                          for bucket in buckets)))
+        return next((rows for rows in sizes if rows >= prompts), sizes[-1])
 
     def prefill_shapes(self) -> dict[tuple[int, int], int]:
         """{(bucket, KV bound): a chunk start that needs it} (see `prefill_shapes`)."""

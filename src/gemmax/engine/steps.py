@@ -100,23 +100,24 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     return device, (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "precision"), donate_argnames=("device",))
-def prefill_rows(params, device: DeviceState, tokens, rows, num_new, want_logprobs, *, config, precision):
-    """Prefill whole prompts into several slots at once and draw each one's first token: tokens
-    [P, bucket] (row j's first num_new[j] real, the rest padding) into the slots `rows` [P]
-    (distinct), every prompt from position 0 in this one chunk. One forward over P x bucket tokens
-    reads the weights once for all P prompts, where P one-slot prefills read them P times. Rows
-    with num_new 0 are padding (any other slots, running or not): they write nothing and keep their
-    sampling state. Only the first `bucket` cache slots of each row move, and attention reads no
-    cached slot (nothing before position 0). Returns (device, (ids, logprobs, top ids, top
-    logprobs)) per row of `rows`."""
-    bucket = tokens.shape[1]
-    sub = _gather(device, rows, bucket)
-    real = num_new > 0
-    logits, cache = forward(params, sub.cache, tokens, jnp.zeros_like(num_new), num_new, config=config,
-                            precision=precision, kv_len=0)
-    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, real)
-    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling), rows, bucket), \
+@functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
+def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last_chunk, want_logprobs, *, config,
+                 precision, kv_len):
+    """One prefill chunk of several prompts at once: tokens [P, bucket] (row j's first num_new[j]
+    real, the rest padding) into the slots `rows` [P] (distinct), every row's chunk starting at the
+    same position `start` (prompts with the same chunk plan: every chunk but the last is full). On
+    the prompts' last chunk (`last_chunk`) draw each row's first token. One forward over P x bucket
+    tokens reads the weights once for all P prompts, where P one-slot prefills read them P times.
+    Rows with num_new 0 are padding (any other slots, running or not): they write nothing and keep
+    their sampling state. Only the first `kv_len` cache slots of each row move, so every row's
+    start + bucket must be within kv_len. Returns (device, (ids, logprobs, top ids, top logprobs))
+    per row of `rows`."""
+    sub = _gather(device, rows, kv_len)
+    starts = jnp.full(num_new.shape, start, jnp.int32)
+    logits, cache = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
+                            kv_len=kv_len)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, (num_new > 0) & last_chunk)
+    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling), rows, kv_len), \
         (ids, lp, top_ids, top_lp)
 
 
