@@ -504,6 +504,34 @@ def test_cancellation_is_honoured_before_admission_and_between_prefill_chunks(en
         handle.wait()
 
 
+def test_a_long_prompt_prefills_between_the_running_requests_decode_steps(engine, loaded, monkeypatch):
+    """While a request decodes, a prompt of three chunks (32 + 32 + 6) prefills one chunk per loop
+    iteration, between decode dispatches: the running request gets tokens between its chunks (it
+    never waits for the whole prompt), and both give exactly their tokens alone."""
+    original = engine._run_prefill
+    received: list[int] = []
+    at_chunk: list[tuple[int, int]] = []  # (chunk start, tokens the running request had by then)
+
+    def watched(tokens, slot, start, *args):
+        if tokens.shape[1] == 32 or start >= 32:
+            at_chunk.append((int(start), len(received)))
+        return original(tokens, slot, start, *args)
+
+    monkeypatch.setattr(engine, "_run_prefill", watched)
+    running = engine.submit(GenerationRequest((7, 3, 4), 40, ignore_eos=True))
+    consumer = threading.Thread(target=lambda: received.extend(event.token_id for event in running))
+    consumer.start()
+    while not received:
+        time.sleep(0.01)
+    long_prompt = tuple(int(t) for t in np.random.default_rng(9).integers(3, 128, 70))
+    result = engine.submit(GenerationRequest(long_prompt, 6, ignore_eos=True)).wait()
+    consumer.join(60)
+    assert [start for start, _ in at_chunk] == [0, 32, 64]
+    assert at_chunk[0][1] < at_chunk[1][1] < at_chunk[2][1], at_chunk  # decode ran between the chunks
+    assert list(result.token_ids) == _reference(loaded, long_prompt, 6)
+    assert received == _reference(loaded, (7, 3, 4), 40)
+
+
 def test_a_flood_of_one_token_requests_does_not_starve_decoding(engine):
     """max_tokens=1 requests finish at their prefill and free their slot at once; admission used to
     refill it in the same loop iteration, forever, while the running request got no decode step."""

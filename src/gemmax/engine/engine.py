@@ -29,7 +29,8 @@ shape, `decode_sample` per group; `_decode_constrained`): these shapes, and the 
 compile on first use, not in warm-up (`_constrained_report`, docs/structured.md).
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
-loop thread admits queued requests into free slots between decode dispatches, then enqueues
+loop thread admits queued requests into free slots between decode dispatches (a prompt of several
+chunks, prefilled alone while others decode, runs one chunk per loop iteration: `_prefilling`), then enqueues
 `steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
 waits for the host between them), streams each step's tokens as soon as that step is done, and
 frees the slots of finished or cancelled requests at once.
@@ -146,6 +147,19 @@ class _Slot:
     speculation: RequestSpeculation | None = None  # made by its first decode dispatch, if it speculates
 
 
+@dataclasses.dataclass
+class _Prefilling:
+    """A prompt being prefilled alone, chunk by chunk, into its slot (`BatchEngine._prefill_chunks`)."""
+
+    slot: _Slot
+    chunks: list[tuple[int, int]]  # (real tokens, bucket) of every chunk
+    keys: list[bytes]  # its prefix-cache block keys ([] with caching off)
+    mask: Any  # the first token's packed mask (a constrained request), or None
+    start: int  # the position the next chunk starts at
+    next: int = 0  # index of the next chunk
+    out: Any = None  # the last chunk's outputs (the first token)
+
+
 class BatchEngine:
     """The engine behind `gemmax serve`: implements gemmax.engine.api.Engine."""
 
@@ -229,6 +243,7 @@ class BatchEngine:
         self._queue: collections.deque[tuple[RequestHandle, float]] = collections.deque()
         self.admission = Admission(max_queue, max_batch)  # bounded wait queue (None: unbounded)
         self._slots: list[_Slot | None] = [None] * max_batch
+        self._prefilling: dict[int, _Prefilling] = {}  # slot -> a prompt still prefilling into it (reserved)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -318,7 +333,7 @@ class BatchEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            running = sum(s is not None for s in self._slots)
+            running = sum(s is not None for s in self._slots) + len(self._prefilling)  # prefilling ones too
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
                                slots_total=self.max_batch,
                                prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
@@ -334,7 +349,7 @@ class BatchEngine:
         with self._lock:
             for handle, _ in self._queue:
                 handle.cancel()
-            for slot in self._slots:
+            for slot in [*self._slots, *(entry.slot for entry in list(self._prefilling.values()))]:
                 if slot is not None:
                     slot.handle.cancel()
             self._stop = True
@@ -628,19 +643,20 @@ class BatchEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not self._queue and all(s is None for s in self._slots):
+                    while not self._stop and not self._queue and not self._prefilling and not self._decoding():
                         if not self._lock.wait(None if self.schedule is None else IDLE_SECONDS):
                             break  # several processes, idle: tell the followers (below)
                     if self._stop:
                         break
-                    idle = self.schedule is not None and not self._queue and all(s is None for s in self._slots)
+                    idle = self.schedule is not None and not self._queue and not self._prefilling and not self._decoding()
                 if idle:
                     self.schedule.send(IDLE)
                     continue
                 try:
+                    self._continue_prefills()
                     self._admit()
                     self._reap_cancelled()
-                    if any(s is not None for s in self._slots):
+                    if self._decoding():
                         self._decode_dispatch()
                 except Exception as exc:  # a real fault: fail the running requests, keep serving
                     log.exception("engine step failed")
@@ -655,6 +671,10 @@ class BatchEngine:
                 self._queue.clear()
             for handle, submitted in queued:
                 self._finish_unstarted(handle, submitted)
+            for entry in self._prefilling.values():
+                self._finish_unstarted(entry.slot.handle, entry.slot.submitted,
+                                       "cancelled" if self.error is None else "error")
+            self._prefilling.clear()
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._finish(i, "cancelled" if self.error is None else "error")
@@ -669,7 +689,7 @@ class BatchEngine:
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
                 self._queue.remove(entry)
-            free = [i for i, s in enumerate(self._slots) if s is None]
+            free = [i for i, s in enumerate(self._slots) if s is None and i not in self._prefilling]
             taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
@@ -704,6 +724,9 @@ class BatchEngine:
     def _fail_admission(self, slot_index: int, handle: RequestHandle, submitted: float, exc: Exception) -> None:
         """End the request `handle`, whose prefill into `slot_index` failed, with the error."""
         error = f"{type(exc).__name__}: {exc}"
+        pending = self._prefilling.get(slot_index)
+        if pending is not None and pending.slot.handle is handle:  # no more chunks for it
+            del self._prefilling[slot_index]
         slot = self._slots[slot_index]
         if slot is not None and slot.handle is handle:
             self._finish(slot_index, "error", error=error)
@@ -803,34 +826,66 @@ class BatchEngine:
 
     def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float, keys: list[bytes],
                       hit) -> None:
-        """Prefill one request's prompt alone, chunk by chunk (`plan_chunks`), into `slot_index`,
-        after the prefix `hit` (from `_prefix_lookup`) copied from the prefix cache."""
+        """Start prefilling one request's prompt alone into `slot_index`, after the prefix `hit`
+        (from `_prefix_lookup`) copied from the prefix cache, chunk by chunk (`_chunks`). While
+        other requests decode, one chunk runs now and each later one in a later loop iteration,
+        between decode dispatches (`_continue_prefills`): a long prompt then never stalls the
+        running requests for more than one chunk. With nothing decoding, every chunk runs now."""
         request = handle.request
-        prompt = list(request.prompt_ids)
         slot = self._open_slot(slot_index, handle, submitted, time.perf_counter())
-        want = request.logprobs is not None
         mask = None
         if request.constraint is not None:
             compiler = self._constraint_compiler()
             slot.matcher = compiler.matcher(request.constraint)
             mask = compiler.masks(1)
             compiler.fill_rows([(slot.matcher, 0)], mask)
-        chunks = self._plan_prefill(slot_index, slot, prompt, hit)
-        start = slot.cached_tokens
-        for index, (real, bucket) in enumerate(chunks):
+        chunks = self._plan_prefill(slot_index, slot, list(request.prompt_ids), hit)
+        self._prefilling[slot_index] = _Prefilling(slot, chunks, keys, mask, slot.cached_tokens)
+        self._prefill_chunks(slot_index, self._decoding())
+
+    def _decoding(self) -> bool:
+        return any(slot is not None for slot in self._slots)
+
+    def _continue_prefills(self) -> None:
+        """The next chunk of every prompt still prefilling (all of them when nothing decodes); a
+        failure ends that request alone."""
+        for slot_index in list(self._prefilling):
+            entry = self._prefilling[slot_index]
+            try:
+                self._prefill_chunks(slot_index, self._decoding())
+            except Exception as exc:
+                log.exception("prefill of %s failed", entry.slot.handle.request_id)
+                self._fail_admission(slot_index, entry.slot.handle, entry.slot.submitted, exc)
+                self._recover_device_state(exc)
+
+    def _prefill_chunks(self, slot_index: int, one: bool) -> None:
+        """Run the next chunk (`one`) or all the remaining chunks of the prompt prefilling into
+        `slot_index`; after its last chunk the request starts decoding (`_begin`)."""
+        entry = self._prefilling[slot_index]
+        slot, handle = entry.slot, entry.slot.handle
+        prompt = slot.request.prompt_ids
+        while entry.next < len(entry.chunks):
             if handle.cancelled:  # the client went away: no more prefill for it (the slot stays free)
-                self._finish_unstarted(handle, submitted)
+                del self._prefilling[slot_index]
+                self._finish_unstarted(handle, slot.submitted)
                 return
+            real, bucket = entry.chunks[entry.next]
             chunk = np.zeros((1, bucket), np.int32)
-            chunk[0, :real] = prompt[start : start + real]
-            out, compiled = self._run_prefill(chunk, slot_index, start, real, index == len(chunks) - 1, want, mask)
+            chunk[0, :real] = prompt[entry.start : entry.start + real]
+            last = entry.next == len(entry.chunks) - 1
+            entry.out, compiled = self._run_prefill(chunk, slot_index, entry.start, real, last,
+                                                    slot.request.logprobs is not None, entry.mask)
             slot.uncompiled |= compiled
             slot.bucket_total += bucket
             slot.pad_tokens += bucket - real
-            start += real
+            entry.start += real
+            entry.next += 1
             if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
-                slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, keys, start)
-        self._begin(slot_index, slot, *jax.device_get(out))
+                slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, entry.keys, entry.start)
+            if one and not last:
+                return
+        del self._prefilling[slot_index]
+        self._begin(slot_index, slot, *jax.device_get(entry.out))
 
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
@@ -1038,9 +1093,13 @@ class BatchEngine:
             self._fail_all(exc)
 
     def _fail_all(self, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"
         for i, slot in enumerate(self._slots):
             if slot is not None:
-                self._finish(i, "error", error=f"{type(exc).__name__}: {exc}")
+                self._finish(i, "error", error=error)
+        for entry in self._prefilling.values():  # their cache rows go with the state
+            self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
+        self._prefilling.clear()
         self._init_device_state()
         self._init_prefix_cache()  # its pool may have gone with a failed copy
 
