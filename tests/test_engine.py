@@ -509,27 +509,23 @@ def test_a_long_prompt_prefills_between_the_running_requests_decode_steps(engine
     iteration, between decode dispatches: the running request gets tokens between its chunks (it
     never waits for the whole prompt), and both give exactly their tokens alone."""
     original = engine._run_prefill
-    received: list[int] = []
-    at_chunk: list[tuple[int, int]] = []  # (chunk start, tokens the running request had by then)
+    at_chunk: list[tuple[int, int]] = []  # (chunk start, tokens the engine had given the running request)
 
     def watched(tokens, slot, start, *args):
-        if tokens.shape[1] == 32 or start >= 32:
-            at_chunk.append((int(start), len(received)))
+        if tokens.shape[1] == 32 or start >= 32:  # the long prompt's chunks (the running one's is 8)
+            given = [len(s.tokens) for s in engine._slots if s is not None and s.handle is running]
+            at_chunk.append((int(start), given[0] if given else -1))
         return original(tokens, slot, start, *args)
 
     monkeypatch.setattr(engine, "_run_prefill", watched)
     running = engine.submit(GenerationRequest((7, 3, 4), 40, ignore_eos=True))
-    consumer = threading.Thread(target=lambda: received.extend(event.token_id for event in running))
-    consumer.start()
-    while not received:
-        time.sleep(0.01)
+    next(iter(running))
     long_prompt = tuple(int(t) for t in np.random.default_rng(9).integers(3, 128, 70))
     result = engine.submit(GenerationRequest(long_prompt, 6, ignore_eos=True)).wait()
-    consumer.join(60)
     assert [start for start, _ in at_chunk] == [0, 32, 64]
-    assert at_chunk[0][1] < at_chunk[1][1] < at_chunk[2][1], at_chunk  # decode ran between the chunks
+    assert 0 < at_chunk[0][1] < at_chunk[1][1] < at_chunk[2][1] < 40, at_chunk  # decode ran between the chunks
     assert list(result.token_ids) == _reference(loaded, long_prompt, 6)
-    assert received == _reference(loaded, (7, 3, 4), 40)
+    assert list(running.wait().token_ids) == _reference(loaded, (7, 3, 4), 40)
 
 
 def test_a_flood_of_one_token_requests_does_not_starve_decoding(engine):
