@@ -505,8 +505,8 @@ def test_cancellation_is_honoured_before_admission_and_between_prefill_chunks(en
 
 
 def test_a_long_prompt_prefills_between_the_running_requests_decode_steps(engine, loaded, monkeypatch):
-    """While a request decodes, a prompt of three chunks (32 + 32 + 6) prefills one chunk per loop
-    iteration, between decode dispatches: the running request gets tokens between its chunks (it
+    """While a request decodes, a prompt of three chunks (32 + 32 + 6) prefills in loop iterations of
+    at most `prefill_token_budget` bucket tokens (32 here: one chunk each), between decode dispatches: the running request gets tokens between its chunks (it
     never waits for the whole prompt), and both give exactly their tokens alone."""
     original = engine._run_prefill
     at_chunk: list[tuple[int, int]] = []  # (chunk start, tokens the engine had given the running request)
@@ -518,6 +518,7 @@ def test_a_long_prompt_prefills_between_the_running_requests_decode_steps(engine
         return original(tokens, slot, start, *args)
 
     monkeypatch.setattr(engine, "_run_prefill", watched)
+    monkeypatch.setattr(engine, "prefill_token_budget", 32)  # one 32-token chunk per iteration (default: 64)
     running = engine.submit(GenerationRequest((7, 3, 4), 40, ignore_eos=True))
     next(iter(running))
     long_prompt = tuple(int(t) for t in np.random.default_rng(9).integers(3, 128, 70))

@@ -244,6 +244,10 @@ class BatchEngine:
         self.admission = Admission(max_queue, max_batch)  # bounded wait queue (None: unbounded)
         self._slots: list[_Slot | None] = [None] * max_batch
         self._prefilling: dict[int, _Prefilling] = {}  # slot -> a prompt still prefilling into it (reserved)
+        # Bucket tokens of lone prefill chunks per loop iteration while others decode (at least one
+        # chunk): a 521-token prompt (512 + 32 on CPU) still prefills at once, a 2,057-token one in 3 turns.
+        self.prefill_token_budget = 2 * self.shapes.buckets[-1]
+        self._budget_left = 0
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -841,26 +845,29 @@ class BatchEngine:
             compiler.fill_rows([(slot.matcher, 0)], mask)
         chunks = self._plan_prefill(slot_index, slot, list(request.prompt_ids), hit)
         self._prefilling[slot_index] = _Prefilling(slot, chunks, keys, mask, slot.cached_tokens)
-        self._prefill_chunks(slot_index, self._decoding())
+        self._prefill_chunks(slot_index)
 
     def _decoding(self) -> bool:
         return any(slot is not None for slot in self._slots)
 
     def _continue_prefills(self) -> None:
-        """The next chunk of every prompt still prefilling (all of them when nothing decodes); a
-        failure ends that request alone."""
+        """This loop iteration's chunks of the prompts still prefilling, in arrival order, within
+        `prefill_token_budget` (shared with the prompts `_admit` starts next); a failure ends that
+        request alone."""
+        self._budget_left = self.prefill_token_budget
         for slot_index in list(self._prefilling):
             entry = self._prefilling[slot_index]
             try:
-                self._prefill_chunks(slot_index, self._decoding())
+                self._prefill_chunks(slot_index)
             except Exception as exc:
                 log.exception("prefill of %s failed", entry.slot.handle.request_id)
                 self._fail_admission(slot_index, entry.slot.handle, entry.slot.submitted, exc)
                 self._recover_device_state(exc)
 
-    def _prefill_chunks(self, slot_index: int, one: bool) -> None:
-        """Run the next chunk (`one`) or all the remaining chunks of the prompt prefilling into
-        `slot_index`; after its last chunk the request starts decoding (`_begin`)."""
+    def _prefill_chunks(self, slot_index: int) -> None:
+        """Run the next chunks of the prompt prefilling into `slot_index`: all of them when nothing
+        decodes, else those this iteration's token budget holds (at least one); after its last
+        chunk the request starts decoding (`_begin`)."""
         entry = self._prefilling[slot_index]
         slot, handle = entry.slot, entry.slot.handle
         prompt = slot.request.prompt_ids
@@ -882,7 +889,8 @@ class BatchEngine:
             entry.next += 1
             if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
                 slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, entry.keys, entry.start)
-            if one and not last:
+            self._budget_left -= bucket
+            if not last and self._decoding() and self._budget_left < entry.chunks[entry.next][1]:
                 return
         del self._prefilling[slot_index]
         self._begin(slot_index, slot, *jax.device_get(entry.out))
