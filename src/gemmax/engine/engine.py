@@ -866,9 +866,8 @@ class BatchEngine:
 
     def _prefill_chunks(self, slot_index: int) -> None:
         """Run the next chunks of the prompt prefilling into `slot_index`: all of them when nothing
-        decodes, else those this iteration's token budget still holds (a prompt admitted when it is
-        spent starts next time, after the ones before it: first come, first prefilled); after its
-        last chunk the request starts decoding (`_begin`)."""
+        decodes, else those this iteration's token budget holds (at least one); after its last
+        chunk the request starts decoding (`_begin`)."""
         entry = self._prefilling[slot_index]
         slot, handle = entry.slot, entry.slot.handle
         prompt = slot.request.prompt_ids
@@ -878,8 +877,6 @@ class BatchEngine:
                 self._finish_unstarted(handle, slot.submitted)
                 return
             real, bucket = entry.chunks[entry.next]
-            if self._decoding() and self._budget_left < min(bucket, self.prefill_token_budget):
-                return  # this iteration's budget is spent: it goes on in arrival order next time
             chunk = np.zeros((1, bucket), np.int32)
             chunk[0, :real] = prompt[entry.start : entry.start + real]
             last = entry.next == len(entry.chunks) - 1
@@ -893,6 +890,8 @@ class BatchEngine:
             if self.prefix_cache is not None:  # the blocks this chunk completed, while the rings hold them
                 slot.uncompiled |= self.prefix_cache.store(self.device.cache, slot_index, entry.keys, entry.start)
             self._budget_left -= bucket
+            if not last and self._decoding() and self._budget_left < entry.chunks[entry.next][1]:
+                return
         del self._prefilling[slot_index]
         self._begin(slot_index, slot, *jax.device_get(entry.out))
 
