@@ -502,8 +502,9 @@ class BatchEngine:
                 self._decode_dispatch()
 
     def _throwaway_group(self) -> None:
-        """The smallest batched prefill shape, run once through `_prefill_group` (its first run is
-        slower than the next ones, as the single prefill's is), its rows decoded to their end."""
+        """The smallest batched prefill shape, run once through `_prefill_group`, its rows decoded to
+        their end: done by analogy with the single prefill, whose first run was measured slower than
+        the next ones (not measured for the batched shapes)."""
         if not self.shapes.prefill_groups:
             return
         rows, bucket = self.shapes.prefill_groups[0]
@@ -801,12 +802,11 @@ class BatchEngine:
         rows = np.asarray(used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)], np.int32)
         want = np.zeros(size, np.bool_)
         want[: len(slots)] = [slot.request.logprobs is not None for slot in slots]
-        plans = [self._chunks(len(slot.request.prompt_ids)) for slot in slots]
         start, compiled = 0, False
         for index, bucket in enumerate(buckets):
             tokens, num_new = np.zeros((size, bucket), np.int32), np.zeros(size, np.int32)
-            for j, (slot, plan) in enumerate(zip(slots, plans, strict=True)):
-                real = plan[index][0]
+            for j, slot in enumerate(slots):  # a full chunk, or the prompt's rest in its last one
+                real = min(bucket, len(slot.request.prompt_ids) - start)
                 tokens[j, :real], num_new[j] = slot.request.prompt_ids[start : start + real], real
             out, new = self._run_prefill_rows(tokens, rows, start, num_new, index == len(buckets) - 1, want)
             compiled |= new
