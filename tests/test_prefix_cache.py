@@ -111,6 +111,11 @@ def test_cached_prefixes_decode_exactly_like_a_fresh_prefill(engine):
         _same(g, want)
     stats = engine.stats().prefix_cache
     assert stats["hits"] >= sum(s >= BLOCK for s in shared) and stats["evicted_bytes"] == 0
+    # every store and hit ran a copy shape compiled at warm-up, none compiled since
+    assert not any(r.timings.uncompiled_shape for r, _ in [*refs, *got])
+    copies = engine.prefix_cache.steps
+    assert copies.store_blocks.size() == len(engine.prefix_cache.store_sizes) == 5  # 1 .. 16 of 11 blocks
+    assert copies.load_blocks.size() == len(engine.prefix_cache.load_sizes) == 5  # 1, 2, 4, 8, 12 (the cap)
 
 
 def test_cache_salt_isolates_tenants(engine):

@@ -233,7 +233,7 @@ class BatchEngine:
         self.batch_invariant = batch_invariant  # decode row by row: a row's logits ignore its batch (steps.py)
         self.device: DeviceState | None = None  # allocated by warm-up
         self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
-        self.prefix_cache: PrefixCache | None = None  # allocated after warm-up (0 bytes: off)
+        self.prefix_cache: PrefixCache | None = None  # allocated at warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
@@ -405,7 +405,8 @@ class BatchEngine:
             self.drafter.reset()
 
     def _init_prefix_cache(self) -> None:
-        """An empty prefix cache (after warm-up, so the throwaway requests leave nothing in it)."""
+        """An empty prefix cache whose copy steps share the engine's executable store (its shapes are
+        declared with the engine's; warm-up clears what the throwaway requests left in it)."""
         if not self.prefix_cache_bytes:
             return
         self.prefix_cache = PrefixCache(self.config, self.max_model_len, self.shapes.buckets[0],
@@ -414,6 +415,8 @@ class BatchEngine:
             log.warning("prefix cache off: %d bytes hold no block of %d tokens (%d bytes)", self.prefix_cache_bytes,
                         self.prefix_cache.block, self.prefix_cache.block_bytes)
             self.prefix_cache = None
+            return
+        self.prefix_cache.steps.store = self.steps.store
 
     def _warm_up(self) -> None:
         """Compile every declared shape ahead of time, several at once, without running any (a
@@ -426,6 +429,7 @@ class BatchEngine:
             if self.mesh is None and jax.process_count() == 1:
                 self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
+            self._init_prefix_cache()
             declared = self._compile_declared()
             compiled = time.perf_counter()
             # Measured on CPU (built-in model): the first real request's prefill took 0.5-0.7 s against
@@ -438,10 +442,11 @@ class BatchEngine:
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
-        self._init_prefix_cache()
+        if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
+            self.prefix_cache.clear()
         prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.decode_shapes)
         shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
-        executables = self.steps.summary()
+        executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
                               "ahead_of_time_seconds": round(compiled - started, 3), **tracker.summary(),
@@ -487,7 +492,11 @@ class BatchEngine:
         how many shapes are declared."""
         calls = self._declared_calls()
         self.steps.compile_all(calls)
-        return len(calls)
+        if self.prefix_cache is None:
+            return len(calls)
+        copies = self.prefix_cache.declared_calls(self.device.cache)
+        self.prefix_cache.steps.compile_all(copies)
+        return len(calls) + len(copies)
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default

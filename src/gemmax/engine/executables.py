@@ -203,9 +203,11 @@ class CompiledSteps:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gemmax-compile") as pool:
             return sum(pool.map(lambda job: job(), jobs))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, *others: CompiledSteps) -> dict[str, Any]:
+        """Counts over these steps and `others` (which share this store)."""
         store = self.store
-        return {"executables": sum(step.size() for step in self._steps.values()),
-                "executables_compiled": sum(step.compiled for step in self._steps.values()),
+        steps = [step for group in (self, *others) for step in group._steps.values()]
+        return {"executables": sum(step.size() for step in steps),
+                "executables_compiled": sum(step.compiled for step in steps),
                 "executables_loaded": 0 if store is None else store.loaded,
                 "executables_rejected": 0 if store is None else store.rejected}

@@ -30,10 +30,13 @@ the last full one included, can keep its sliding part. A lookup takes the longes
 blocks whose needed sliding parts are all present, and always leaves at least one prompt token to
 prefill (its logits give the first generated token).
 
-Compiled shapes: the copies are jitted per block-count bucket (powers of two, capped at max_len /
-block), compiled lazily on first use rather than at warm-up (start-up time matters more than the
-first hit's compile of a small gather / scatter); a request that compiled one reports
-`uncompiled_shape`. The prefill chunks after a hit use only the warmed prefill shapes (tested).
+Compiled shapes: the copies have one shape per block-count bucket (powers of two: a store of up to
+the blocks a prompt can complete, a load of up to max_len / block), declared like the engine's
+steps and compiled ahead of time at warm-up (`declared_calls`), through the same executable store,
+so the first request that stores or hits blocks of a new count compiles nothing (it used to pay
+0.5-2.6 s on the built-in model: measured with `benchmarks/startup.py`). A request that compiled one
+anyway reports `uncompiled_shape`. The prefill chunks after a hit use only the warmed prefill
+shapes (tested).
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gemmax.engine.executables import CompiledSteps
 from gemmax.engine.shapes import plan_chunks
 from gemmax.model.config import ModelConfig
 from gemmax.model.kv_cache import KVCache, cache_slots, init_cache
@@ -82,12 +87,20 @@ def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _sizes_up_to(n: int) -> tuple[int, ...]:
+    """The block-count buckets 1, 2, 4 ... up to `_bucket(n)`."""
+    return tuple(1 << i for i in range(_bucket(max(n, 1)).bit_length()))
+
+
+COPY_STEPS = ("store_blocks", "load_blocks")
+
+
 def _padded(values: list[int], size: int, fill: int) -> jax.Array:
     return jnp.asarray(values + [fill] * (size - len(values)), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block"), donate_argnames=("pool",))
-def _store(pool: KVCache, cache: KVCache, slot, blocks, entries, sliding_entries, *, config: ModelConfig, block: int):
+def store_blocks(pool: KVCache, cache: KVCache, slot, blocks, entries, sliding_entries, *, config: ModelConfig, block: int):
     """Copy blocks `blocks` [k] (block numbers in the prompt) of row `slot` of `cache` into pool entries
     `entries` [k] (full layers) and `sliding_entries` [k] (sliding layers); an entry out of range
     (capacity) skips that part."""
@@ -105,7 +118,7 @@ def _store(pool: KVCache, cache: KVCache, slot, blocks, entries, sliding_entries
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block"), donate_argnames=("cache",))
-def _load(cache: KVCache, pool: KVCache, slot, entries, sliding_entries, count, *, config: ModelConfig, block: int):
+def load_blocks(cache: KVCache, pool: KVCache, slot, entries, sliding_entries, count, *, config: ModelConfig, block: int):
     """Write pool entries `entries` [k] (blocks 0 .. k-1 of a prompt; those from `count` on are
     padding) into row `slot` of `cache` as the prompt's first count * block positions: on full layers
     at slot p, as one contiguous update of slots 0 .. k * block - 1 (k * block <= max_len; the padding
@@ -155,14 +168,42 @@ class PrefixCache:
 
     def __init__(self, config: ModelConfig, max_len: int, block: int, budget_bytes: int, kv_dtype):
         self.config, self.max_len, self.block, self.budget_bytes = config, max_len, block, budget_bytes
+        self.steps = CompiledSteps(sys.modules[__name__], COPY_STEPS)  # the engine sets its executable store
         self.block_bytes = count_bytes(jax.eval_shape(lambda: init_cache(config, 1, block, kv_dtype)))
         self.capacity = budget_bytes // self.block_bytes if self.block_bytes else 0
         # Sliding rings, slots per row (a window at least max_len long never wraps; it is a ring all the same).
         self.rings = tuple(cache_slots(spec, max_len) for spec in config.layers if spec.owns_kv and spec.sliding_window)
         self.pool = init_cache(config, self.capacity, block, kv_dtype)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every block and zero the counters (the pool's stale values are never read)."""
         self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
         self._free = list(range(self.capacity))
         self.hits = self.misses = self.cached_tokens = self.queried_tokens = self.evicted_bytes = 0
+
+    @property
+    def store_sizes(self) -> tuple[int, ...]:
+        """Block counts of the store shapes: a store saves at most the full blocks of a prompt."""
+        return _sizes_up_to((self.max_len - 1) // self.block)
+
+    @property
+    def load_sizes(self) -> tuple[int, ...]:
+        """Block counts of the load shapes (`load`): buckets capped so that padded hits fit the full
+        layers' rows."""
+        cap = self.max_len // self.block
+        return tuple(sorted({min(n, cap) for n in _sizes_up_to((self.max_len - 2) // self.block)}))
+
+    def declared_calls(self, cache: KVCache) -> list[tuple[str, tuple, dict]]:
+        """(step, args, statics) of every copy shape, built as `store` and `load` build their calls,
+        for `CompiledSteps.compile_all` at warm-up (nothing runs)."""
+        statics = {"config": self.config, "block": self.block}
+        slot = jnp.int32(0)
+        calls = [("store_blocks", (self.pool, cache, slot, _padded([], n, 0), _padded([], n, self.capacity),
+                                   _padded([], n, self.capacity)), statics) for n in self.store_sizes]
+        calls += [("load_blocks", (cache, self.pool, slot, _padded([], n, 0), _padded([], n, 0), jnp.int32(0)), statics)
+                  for n in self.load_sizes]
+        return calls
 
     @property
     def ring(self) -> int | None:
@@ -218,11 +259,11 @@ class PrefixCache:
     def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
         """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
         size = min(_bucket(hit.blocks), self.max_len // self.block)  # padded blocks fit the full layers' rows
-        before = _load._cache_size()
-        cache = _load(cache, self.pool, jnp.int32(slot), _padded(list(hit.entries), size, 0),
-                      _padded(list(hit.sliding_entries), size, 0), jnp.int32(hit.blocks),
-                      config=self.config, block=self.block)
-        return cache, _load._cache_size() != before
+        before = self.steps.load_blocks.size()
+        cache = self.steps.load_blocks(cache, self.pool, jnp.int32(slot), _padded(list(hit.entries), size, 0),
+                                       _padded(list(hit.sliding_entries), size, 0), jnp.int32(hit.blocks),
+                                       config=self.config, block=self.block)
+        return cache, self.steps.load_blocks.size() != before
 
     # -------------------------------------------------------------------------------------- store
     def _saves_sliding(self, index: int, written: int) -> bool:
@@ -266,8 +307,9 @@ class PrefixCache:
         if not blocks:
             return False
         size = _bucket(len(blocks))
-        before = _store._cache_size()
-        self.pool = _store(self.pool, cache, jnp.int32(slot), _padded(blocks, size, 0),
-                           _padded(entries, size, self.capacity), _padded(sliding, size, self.capacity),
-                           config=self.config, block=self.block)
-        return _store._cache_size() != before
+        before = self.steps.store_blocks.size()
+        self.pool = self.steps.store_blocks(self.pool, cache, jnp.int32(slot), _padded(blocks, size, 0),
+                                            _padded(entries, size, self.capacity),
+                                            _padded(sliding, size, self.capacity), config=self.config,
+                                            block=self.block)
+        return self.steps.store_blocks.size() != before
