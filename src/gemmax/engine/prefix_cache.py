@@ -30,7 +30,7 @@ the last full one included, can keep its sliding part. A lookup takes the longes
 blocks whose needed sliding parts are all present, and always leaves at least one prompt token to
 prefill (its logits give the first generated token).
 
-Compiled shapes: the copies have one shape per block-count bucket (powers of two: a store of up to
+Compiled shapes: the copies have one shape per block-count bucket (powers of 4: a store of up to
 the blocks a prompt can complete, a load of up to max_len / block), declared like the engine's
 steps and compiled ahead of time at warm-up (`declared_calls`), through the same executable store,
 so the first request that stores or hits blocks of a new count compiles nothing (it used to pay
@@ -84,12 +84,20 @@ def plan_cached_chunks(start: int, prompt_len: int, block: int, buckets: tuple[i
 
 
 def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    """The block-count bucket of a copy of n blocks: the next power of 4 (few compiled shapes; a copy
+    of padded blocks costs milliseconds against a prefill's hundreds)."""
+    size = 1
+    while size < n:
+        size *= 4
+    return size
 
 
 def _sizes_up_to(n: int) -> tuple[int, ...]:
-    """The block-count buckets 1, 2, 4 ... up to `_bucket(n)`."""
-    return tuple(1 << i for i in range(_bucket(max(n, 1)).bit_length()))
+    """The block-count buckets 1, 4, 16 ... up to `_bucket(n)`."""
+    sizes = [1]
+    while sizes[-1] < n:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
 
 
 COPY_STEPS = ("store_blocks", "load_blocks")
