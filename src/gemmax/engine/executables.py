@@ -180,8 +180,8 @@ class CompiledSteps:
     """The engine's steps (a namespace of jitted functions) as `CompiledStep`s; anything else in the
     namespace (the state's initialiser) passes through."""
 
-    def __init__(self, steps: Any, names: Iterable[str], store: ExecutableStore | None = None):
-        self.store = store
+    def __init__(self, steps: Any, names: Iterable[str]):
+        self.store: ExecutableStore | None = None  # set at warm-up (one device, one process)
         self._lock = threading.Lock()
         self._steps = {name: CompiledStep(name, getattr(steps, name), self, self._lock) for name in names
                        if hasattr(steps, name)}
