@@ -5,6 +5,9 @@ The checkpoint is a tiny random Gemma 4 built by transformers (the g4_shared rec
 its down projections read 4160 / 8320 inputs, more than the 4095 XLA:CPU's fused matrix-vector dot
 takes. The policy's stored form splits them into column blocks; `--layout plain` keeps them whole,
 the path the policy avoids, and XLA then converts each of them to an f32 copy on every step.
+
+`--speculative ngram` runs on the same checkpoint: the verify step profiled like the decode step, and
+the accepted-length distribution of a short greedy generation through the engine's speculative path.
 """
 
 from __future__ import annotations
@@ -108,6 +111,96 @@ def test_compare_prints_both_runs_side_by_side(two_runs, tmp_path):
     # rich boxes and wraps the error at the terminal's width (COLUMNS=80 in CI): read it as one line
     said = " ".join(re.sub("[\u2500-\u257f]", " ", bad.output).split())
     assert bad.exit_code != 0 and "not a gemmax profile report" in said
+
+
+@pytest.fixture(scope="module")
+def speculative_run(tmp_path_factory):
+    """The CLI with --speculative ngram --spec-k 4 on gemmax's own random weights of the g4_shared
+    config (seed 0), whose greedy text loops within the 32 tokens generated, so prompt lookup's
+    proposals are kept (the wide checkpoint's transformers-random weights do not loop that soon):
+    its stdout and the report it wrote."""
+    from transformers import Gemma4TextConfig
+
+    out = tmp_path_factory.mktemp("spec")
+    Gemma4TextConfig(**GEMMA4_CONFIGS["g4_shared"]).save_pretrained(out / "g4_shared")
+    result = CliRunner().invoke(app, ["profile", "--model", str(out / "g4_shared"), "--random-weights", "--steps", "4",
+                                      "--warmup", "1", "--context", "16", "--peak-bandwidth", "30", "--speculative",
+                                      "ngram", "--spec-k", "4", "--spec-tokens", "32", "--out", str(out / "run")])
+    assert result.exit_code == 0, result.output
+    return out / "run", result.stdout, load(out / "run" / "profile.json")
+
+
+def test_speculative_profile_carries_the_accepted_lengths_and_the_predicted_speedup(speculative_run, two_runs):
+    out, stdout, report = speculative_run
+    # The JSON line, not the table text, is what a reader parses (it is the report written to disk).
+    assert json.loads(stdout.strip().splitlines()[-1]) == report
+    assert report["schema"] == "gemmax.profile/2"
+    spec = report["speculative"]
+    assert spec["method"] == "ngram" and spec["k"] == 4
+    # The histogram: one count per accepted length 0..k, summing to the verify steps the engine ran,
+    # weighted to the proposals it accepted; the workload makes prompt lookup pay.
+    lengths = spec["accepted_lengths"]
+    assert len(lengths) == 5 and all(c >= 0 for c in lengths)
+    assert sum(lengths) == spec["verify_steps"] > 0
+    assert sum(n * c for n, c in enumerate(lengths)) == spec["accepted"] > 0
+    assert spec["accepted"] <= spec["proposed"] <= 4 * spec["verify_steps"]
+    # A verify step emits its accepted proposals and one draw; the first token comes from prefill; steps
+    # inside a back-off pause (if any) are plain decode steps.
+    assert 1 + spec["verify_steps"] + spec["accepted"] <= spec["generated_tokens"] == 32
+    assert spec["tokens_match_plain"] and spec["prompt_tokens"] == 16 + 32 + 15
+    assert spec["tokens_per_verify_step"] == pytest.approx(1 + spec["accepted"] / spec["verify_steps"])
+    # The prediction follows from the figures reported: the decode and verify steps of this run.
+    verify = spec["verify"]
+    assert spec["decode_step_ms"] == report["host_step_ms"] and spec["verify_step_ms"] == verify["host_step_ms"]
+    assert spec["predicted_speedup"] == pytest.approx(
+        spec["tokens_per_verify_step"] * report["host_step_ms"] / verify["host_step_ms"])
+    assert spec["engine_measured_speedup"] == pytest.approx(
+        spec["engine_speculative_tokens_per_second"] / spec["engine_plain_tokens_per_second"])
+    # The verify step is profiled as the decode step is: shares that add up, its own trace and ops,
+    # the decode step's bytes with k + 1 tokens' gathered rows per row.
+    _shares_add_up(verify)
+    assert verify["positions_per_row"] == 5 and verify["traced_steps_seen"] == 4
+    assert verify["shares"]["matmul_lowp"] > 0
+    assert all("verify_rows" in op["op_name"] for op in verify["top_ops"] if op["op_name"])
+    assert verify["xplane"].startswith(str(out / "verify"))
+    decode_bytes = report["bytes_per_step"]
+    assert verify["bytes_per_step"]["gathered"] == 5 * decode_bytes["gathered"]
+    assert {k: v for k, v in verify["bytes_per_step"].items() if k not in ("gathered", "total")} == \
+        {k: v for k, v in decode_bytes.items() if k not in ("gathered", "total")}
+    # The table prints the same figures.
+    histogram = " / ".join(f"{n}: {c}" for n, c in enumerate(lengths))
+    assert f"| accepted proposals per verify step (n: steps) | {histogram} |" in stdout
+    assert f"| predicted speed-up (tokens per verify step x decode / verify step) | {spec['predicted_speedup']:.2f}x |" \
+        in stdout
+    assert "slowest ops of the verify step:" in stdout
+    # A plain run has no speculative block and no speculative rows.
+    stdout_plain, plain = two_runs[1]["auto"]
+    assert plain["speculative"] is None and "predicted speed-up" not in stdout_plain
+
+
+def test_compare_reads_old_and_new_reports(speculative_run, two_runs, tmp_path):
+    """--compare puts a schema-1 report (before the speculative block) beside a speculative one."""
+    out, _, report = speculative_run
+    _, plain = two_runs[1]["auto"]
+    old = {k: v for k, v in plain.items() if k != "speculative"} | {"schema": "gemmax.profile/1"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    result = CliRunner().invoke(app, ["profile", "--compare", str(tmp_path / "old.json"), str(out / "profile.json")])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| predicted speed-up"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == ["n/a", f"{report['speculative']['predicted_speedup']:.2f}x"]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| dtype conversion |"))
+    assert [c.strip() for c in row.strip("|").split("|")][1:] == \
+        [f"{r['shares']['conversion']:.1f}%" for r in (old, report)]
+
+
+def test_speculative_flags_are_checked(wide_checkpoint, tmp_path):
+    for extra, said in ((["--speculative", "draft"], "off or ngram"), (["--speculative", "ngram", "--spec-k", "3"],
+                                                                          "--spec-k must be one of"),
+                        (["--speculative", "ngram", "--mesh", "dp=1,tp=1"], "one device")):
+        result = CliRunner().invoke(app, ["profile", "--model", str(wide_checkpoint), "--out", str(tmp_path), *extra])
+        # rich boxes and wraps the error at the terminal's width: read it as one line
+        assert result.exit_code != 0 and said in " ".join(re.sub("[\u2500-\u257f]", " ", result.output).split())
 
 
 def test_bytes_per_step_by_hand(wide_checkpoint, two_runs, tmp_path):

@@ -595,10 +595,16 @@ def profile(
     out: str = typer.Option("gemmax-profile", help="directory for the trace (xprof / TensorBoard) and profile.json"),
     compare: tuple[str, str] = typer.Option(None, help="print two profile.json side by side, run nothing"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: the decode step on a mesh of D*T*E devices, with the collectives' share (docs/mesh.md); default one device"),
+    speculative: str = typer.Option("off", help="ngram: also profile the verify step (k + 1 positions per row) and "
+                                    "measure the accepted-length distribution of prompt lookup on a repeated text "
+                                    "through the engine, with the predicted speed-up (docs/profile.md)"),
+    spec_k: int = typer.Option(4, help="with --speculative: tokens proposed per verify step, 2, 4 or 8"),
+    spec_tokens: int = typer.Option(64, min=2, help="with --speculative: tokens generated for the accepted lengths"),
     quant=None,
 ) -> None:
     """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
-    step and the share of the bandwidth roofline (docs/profile.md). Prints a table, then one JSON line."""
+    step and the share of the bandwidth roofline (docs/profile.md); with --speculative ngram the verify
+    step too, and the accepted-length distribution. Prints a table, then one JSON line."""
     from gemmax.profile import report as reports
 
     if compare:
@@ -616,15 +622,22 @@ def profile(
     spec = _mesh_spec(mesh)
     if spec is not None and layout != "auto":
         raise typer.BadParameter("--layout plain is a one-device form: it cannot be combined with --mesh")
+    if speculative not in ("off", "ngram"):
+        raise typer.BadParameter(f"--speculative for profile is off or ngram (prompt lookup), got {speculative!r}")
+    speculation = _speculation(speculative, spec_k)
+    if speculation is not None and spec is not None:
+        raise typer.BadParameter("--speculative runs on one device: it cannot be combined with --mesh")
     try:
         params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant, mesh=spec)
         result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
-                                context=context, peak_gbs=peak_bandwidth, mesh=spec,
-                                model=name + ("" if layout == "auto" else f" (layout {layout})"))
+                                context=context, peak_gbs=peak_bandwidth, mesh=spec, speculative=speculation,
+                                spec_tokens=spec_tokens, model=name + ("" if layout == "auto" else f" (layout {layout})"))
     except ValueError as exc:  # includes a MeshError: a mesh this model or batch cannot split
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(reports.table([result]))
     typer.echo("\nslowest ops:\n" + reports.top_ops_table(result))
+    if result["speculative"]:
+        typer.echo("\nslowest ops of the verify step:\n" + reports.top_ops_table(result["speculative"]["verify"]))
     typer.echo(f"\ntrace: {out} (open with xprof or `tensorboard --logdir {out}`); report: {out}/profile.json")
     typer.echo(json.dumps(result))
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from gemmax.profile.hlo import CATEGORIES
 
-SCHEMA = "gemmax.profile/1"
+SCHEMA = "gemmax.profile/2"  # /2 adds `speculative` (None, or the verify step and the accepted lengths)
+READABLE = ("gemmax.profile/1", SCHEMA)  # what `load` (and so --compare) reads
 
 # The four shares of the headline table (they sum to 100%) and the fine categories behind the last one.
 SHARES = ("conversion", "matmul_fp32", "matmul_lowp", "other")
@@ -52,8 +53,9 @@ def _bytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
 
 
-def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) rows of one report, in table order."""
+def rows(report: dict[str, Any], speculative: bool | None = None) -> list[tuple[str, str]]:
+    """(label, value) rows of one report, in table order; with `speculative` (default: whether the
+    report has a `speculative` block) the rows of `speculative_rows` after them."""
     cats = report["categories"]
     b = report["bytes_per_step"]
     out = [(LABELS[k], _pct(report["shares"][k])) for k in SHARES]
@@ -75,7 +77,56 @@ def rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("roofline tok/s (batch x peak / bytes per step)", _num(report["roofline_tokens_per_second"])),
         ("share of bandwidth roofline", _pct(report["roofline_percent"])),
     ]
+    if speculative or (speculative is None and report.get("speculative")):
+        out += speculative_rows(report.get("speculative"))
     return out
+
+
+def _histogram(counts: list[int]) -> str:
+    return " / ".join(f"{n}: {c}" for n, c in enumerate(counts))
+
+
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def speculative_rows(spec: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The rows of `gemmax profile --speculative`: the verify step, the accepted lengths of the
+    engine's generation and the predicted speed-up ("n/a" for a run without them)."""
+    labels = [
+        "speculative decoding (method, proposals k)",
+        "verify step: conversion / fp32 / 16-bit matmul / other",
+        "verify step: total device time (sum of op times)",
+        "verify step time, untraced (host clock)",
+        "verify step: bytes read / share of bandwidth roofline",
+        "generation: verify steps / proposed / accepted",
+        "accepted proposals per verify step (n: steps)",
+        "tokens per verify step (1 + accepted / steps)",
+        "decode step / verify step (untraced)",
+        "predicted speed-up (tokens per verify step x decode / verify step)",
+        "engine, same prompt: plain / speculative tok/s (measured speed-up)",
+        "greedy speculative tokens equal plain decoding",
+    ]
+    if not spec:
+        return [(label, "n/a") for label in labels]
+    v = spec["verify"]
+    shares = " / ".join(_pct(v["shares"][k]) for k in SHARES)
+    values = [
+        f"{spec['method']}, k={spec['k']} ({v['positions_per_row']} positions per row)",
+        shares,
+        f"{v['device_ms_per_step']:.3f} ms",
+        f"{v['host_step_ms']:.3f} ms",
+        f"{_bytes(v['bytes_per_step']['total'])} / {_pct(v['roofline_percent'])}",
+        f"{spec['verify_steps']} / {spec['proposed']} / {spec['accepted']}",
+        _histogram(spec["accepted_lengths"]),
+        "n/a" if spec["tokens_per_verify_step"] is None else f"{spec['tokens_per_verify_step']:.3f}",
+        f"{spec['decode_step_ms']:.3f} ms / {spec['verify_step_ms']:.3f} ms",
+        _times(spec["predicted_speedup"]),
+        f"{spec['engine_plain_tokens_per_second']:.1f} / {spec['engine_speculative_tokens_per_second']:.1f} "
+        f"({_times(spec['engine_measured_speedup'])})",
+        "yes" if spec["tokens_match_plain"] else "NO",
+    ]
+    return list(zip(labels, values, strict=True))
 
 
 def _header(report: dict[str, Any]) -> str:
@@ -91,7 +142,8 @@ def table(reports: list[dict[str, Any]], titles: list[str] | None = None) -> str
     if not reports:
         raise ValueError("no reports to show")
     titles = titles or (["this run"] if len(reports) == 1 else [f"run {chr(65 + i)}" for i in range(len(reports))])
-    columns = [rows(r) for r in reports]
+    speculative = any(r.get("speculative") for r in reports)  # every column gets the same rows
+    columns = [rows(r, speculative) for r in reports]
     lines = ["| | " + " | ".join(titles) + " |", "|---|" + "---|" * len(reports)]
     for i, (label, _) in enumerate(columns[0]):
         lines.append(f"| {label} | " + " | ".join(col[i][1] for col in columns) + " |")
@@ -100,7 +152,8 @@ def table(reports: list[dict[str, Any]], titles: list[str] | None = None) -> str
 
 
 def top_ops_table(report: dict[str, Any], n: int = 12) -> str:
-    """The slowest ops of one run with their category and fused opcodes."""
+    """The slowest ops of one run (or of its verify step: `report["speculative"]["verify"]`) with
+    their category and fused opcodes."""
     lines = ["| op | category | ms/step | share | fused opcodes | read dtype |", "|---|---|---|---|---|---|"]
     for op in report["top_ops"][:n]:
         lines.append(f"| {op['name']} | {op['category']} | {op['ms_per_step']:.4f} | {op['percent']:.1f}% | "
@@ -114,6 +167,6 @@ def load(path: str | Path) -> dict[str, Any]:
         report = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read a profile report from {path}: {exc}") from exc
-    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not a gemmax profile report (want schema {SCHEMA!r})")
+    if not isinstance(report, dict) or report.get("schema") not in READABLE:
+        raise ValueError(f"{path} is not a gemmax profile report (want schema {' or '.join(map(repr, READABLE))})")
     return report

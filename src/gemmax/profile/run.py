@@ -9,6 +9,9 @@ slots, feeding the same positions each time, so each step does the same work (at
 The per-op times of the trace are charged to categories by `gemmax.profile.hlo` from the compiled
 module that ran (the executable is the one traced, so op names match), and the roofline uses the
 model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffic`).
+
+With `speculative` the verify step is profiled the same way, and a short generation through the
+engine gives the accepted-length distribution and the predicted speed-up (gemmax.profile.speculation).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gemmax.engine.api import SPEC_KS
 from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
 from gemmax.engine.steps import decode_step, init_device_state
@@ -32,6 +36,13 @@ from gemmax.model.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
 from gemmax.profile.report import OTHER, SCHEMA
+from gemmax.profile.speculation import (
+    VERIFY_BYTES_NOTE,
+    acceptance_run,
+    predicted_speedup,
+    verify_executable,
+    verify_traffic,
+)
 from gemmax.profile.trace import find_xplane, op_times
 
 BYTES_NOTE = (
@@ -112,17 +123,27 @@ def profile_decode(
     bandwidth_mib: int = 512,
     model: str = "",
     mesh=None,
+    speculative=None,
+    spec_tokens: int = 64,
 ) -> dict[str, Any]:
     """Profile `steps` decode steps; writes the trace and `profile.json` under out_dir, returns the report.
 
     `mesh` (a gemmax.engine.mesh.MeshSpec): the engine's decode step compiled for that mesh
     (`mesh_steps`), the params and state placed as the engine places them. The per-op times are
     then summed over the mesh's devices, and the `collective` category is the communication's share
-    of that device time. No roofline on a mesh (what each device reads depends on the axes)."""
+    of that device time. No roofline on a mesh (what each device reads depends on the axes).
+
+    `speculative` (a gemmax.engine.api.Speculation, method "ngram"): also profile the verify step at
+    its k (trace under out_dir/verify) and generate `spec_tokens` tokens through the engine's
+    speculative path for the accepted-length distribution (`profile_speculation`); the report's
+    `speculative` block (None without)."""
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, batch >= 1 (got {steps}, {warmup}, {batch})")
     if not 0 <= context < config.max_position_embeddings:
         raise ValueError(f"context must be in [0, {config.max_position_embeddings}), got {context}")
+    if speculative is not None and (mesh is not None or speculative.method != "ngram" or speculative.k not in SPEC_KS):
+        raise ValueError(f"--speculative profiles prompt lookup (ngram) at k in {SPEC_KS} on one device (no --mesh), "
+                         f"got {speculative}")
     precision = precision or policy.precision()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +164,6 @@ def profile_decode(
         device = jax.device_put(device, state_shardings(device, device_mesh))
         devices = mesh.size
     compiled = step.lower(params, device, want, config=config, precision=precision).compile()
-    index = HloIndex.from_compiled(compiled)
 
     def run(n: int) -> None:
         nonlocal device
@@ -152,16 +172,7 @@ def profile_decode(
             device = dataclasses.replace(device, positions=device.positions - 1)
         jax.block_until_ready(device.tokens)
 
-    run(max(warmup, 1))
-    started = time.perf_counter()
-    run(steps)
-    host_step = (time.perf_counter() - started) / steps
-    with jax.profiler.trace(str(out_dir)):
-        run(steps)
-    xplane = find_xplane(out_dir)
-    times = op_times(xplane, index.name, steps)
-
-    report = summarize(times.per_op_ns, Classifier(index))
+    host_step, times, xplane, report = _measure(compiled, run, steps, warmup, out_dir)
     traffic = decode_traffic(config, params, batch, context, precision.kv_cache)
     peak = None if mesh is not None else peak_bandwidth(policy.device_kind, policy.platform, peak_gbs,
                                                         times.memory_bandwidth, bandwidth_mib)
@@ -201,8 +212,64 @@ def profile_decode(
         "xplane": str(xplane),
         "trace_source": times.source,
     })
+    report["speculative"] = None
+    if speculative is not None:
+        report["speculative"] = profile_speculation(
+            params, config, policy, out_dir=out_dir / "verify", steps=steps, warmup=warmup, batch=batch,
+            context=context, k=speculative.k, precision=precision, peak=peak, decode_step_ms=host_step * 1e3,
+            tokens=spec_tokens, model=model)
     (out_dir / "profile.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def _measure(compiled, run, steps: int, warmup: int, out_dir: Path):
+    """Warm up, time `steps` runs untraced (host clock), trace `steps` more under out_dir; returns
+    (seconds per step, the trace's op times, its xplane file, the summary by category)."""
+    index = HloIndex.from_compiled(compiled)
+    run(max(warmup, 1))
+    started = time.perf_counter()
+    run(steps)
+    host_step = (time.perf_counter() - started) / steps
+    with jax.profiler.trace(str(out_dir)):
+        run(steps)
+    xplane = find_xplane(out_dir)
+    times = op_times(xplane, index.name, steps)
+    return host_step, times, xplane, summarize(times.per_op_ns, Classifier(index))
+
+
+def profile_speculation(params: Params, config: ModelConfig, policy: DevicePolicy, *, out_dir: Path, steps: int,
+                        warmup: int, batch: int, context: int, k: int, precision: Precision, peak,
+                        decode_step_ms: float, tokens: int, model: str) -> dict[str, Any]:
+    """The `speculative` block of the report (gemmax.profile.speculation): the verify step of [batch]
+    rows with k proposals at `context`, profiled as the decode step is (its trace under out_dir), the
+    accepted-length distribution of a short generation through the engine, and the predicted speed-up."""
+    compiled, run = verify_executable(params, config, batch, context, k, precision)
+    host_step, times, xplane, verify = _measure(compiled, run, steps, warmup, out_dir)
+    traffic = verify_traffic(config, params, batch, context, k, precision.kv_cache)
+    achieved = traffic["total"] / host_step / 1e9
+    verify.update({
+        "device_ms_per_step": times.total_ns / 1e6,
+        "trace_step_ms": times.step_span_ns / 1e6,
+        "host_step_ms": host_step * 1e3,
+        "traced_steps_seen": times.steps,
+        "positions_per_row": k + 1,
+        "bytes_per_step": traffic,
+        "bytes_note": VERIFY_BYTES_NOTE,
+        "achieved_gbs": achieved,
+        "roofline_percent": 100 * achieved / peak.gbs if peak else None,
+        "trace_dir": str(out_dir),
+        "xplane": str(xplane),
+    })
+    accepted = acceptance_run(params, config, policy, model, k, tokens)
+    return {
+        "method": "ngram",
+        "k": k,
+        "verify": verify,
+        **accepted,
+        "decode_step_ms": decode_step_ms,
+        "verify_step_ms": host_step * 1e3,
+        "predicted_speedup": predicted_speedup(accepted["tokens_per_verify_step"], decode_step_ms, host_step * 1e3),
+    }
 
 
 def summarize(per_op_ns: dict[str, float], classifier: Classifier, top: int = 25) -> dict[str, Any]:
