@@ -105,6 +105,10 @@ def test_ngram_proposer_takes_the_latest_longest_match():
     assert list(propose_ngram(np.asarray([4, 5, 6, 4, 5]), 8)) == [6, 4, 5]  # cut at the context's end
     assert list(propose_ngram(np.asarray([1, 2, 3]), 4)) == []
     assert list(propose_ngram(np.asarray([1, 2, 1, 3, 1]), 2)) == [3, 1]  # n=1: latest earlier 1
+    # in a loop the latest match ends right before the suffix (one token after it); the latest with k after it
+    assert list(propose_ngram(np.asarray([7, 5, 5, 5, 5, 5, 5, 5, 5]), 4)) == [5, 5, 5, 5]
+    assert list(propose_ngram(np.asarray([7, 1, 2, 1, 2, 1, 2, 1, 2]), 4)) == [1, 2, 1, 2]
+    assert list(propose_ngram(np.asarray([7, 5, 5, 5, 5]), 4)) == [5]  # no match has 4 after it: the latest
 
 
 def _proposer(monkeypatch, references, wrong_at):

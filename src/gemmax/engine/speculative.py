@@ -28,9 +28,11 @@ _DECAY = 0.7  # weight of the past in the running mean of accepted proposals per
 
 
 def propose_ngram(context: np.ndarray, k: int, max_n: int = MAX_NGRAM) -> np.ndarray:
-    """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens, for
-    the largest n <= max_n that occurs earlier; empty when no suffix token occurs earlier.
-    context [L] int -> [<= k] int32."""
+    """Up to k tokens that followed an earlier occurrence of the context's last n tokens, for the
+    largest n <= max_n that occurs earlier: the latest occurrence with k tokens after it, else the
+    latest (in a loop the latest occurrence ends right before the suffix, so it would propose one
+    token where an earlier one of the same loop proposes k); empty when no suffix token occurs
+    earlier. context [L] int -> [<= k] int32."""
     length = len(context)
     for n in range(min(max_n, length - 1), 0, -1):
         suffix = context[length - n:]
@@ -38,7 +40,8 @@ def propose_ngram(context: np.ndarray, k: int, max_n: int = MAX_NGRAM) -> np.nda
         windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # [L - n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = hits[-1] + n
+            full = hits[hits + n + k <= length]
+            start = (full[-1] if full.size else hits[-1]) + n
             return np.asarray(context[start : start + k], np.int32)
     return np.zeros(0, np.int32)
 
