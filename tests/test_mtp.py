@@ -144,3 +144,97 @@ def test_assistant_config_is_refused_when_not_all_layers_share(mtp_files, tmp_pa
     hf["text_config"]["num_kv_shared_layers"] = 1
     with pytest.raises(ConfigError, match="shared K/V"):
         AssistantConfig.from_hf_config(hf)
+
+
+# ------------------------------------------------------------------ candidates, through gemmax's steps
+K = 4
+PROMPT = (2, 37, 401, 118, 9, 250, 77, 301, 12)  # 9 tokens: longer than the window 4 + 1
+
+
+def _hf_candidates(hf_assistant, hf_target, outputs, input_ids, n_last_matches):
+    """transformers' MTP candidates (SinglePositionMultiTokenCandidateGenerator, as generate drives it)."""
+    from transformers import GenerationConfig
+    from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
+
+    hf_assistant.generation_config.num_assistant_tokens = K
+    generator = SinglePositionMultiTokenCandidateGenerator(hf_assistant, hf_target.get_input_embeddings(),
+                                                           GenerationConfig(max_length=200))
+    generator.is_main_model_prefill = n_last_matches is None
+    ids = torch.tensor([input_ids])
+    with torch.no_grad(), _hf_assistant_modes():
+        candidates, logits = generator.get_candidates(ids, {"attention_mask": torch.ones_like(ids)}, outputs, False,
+                                                      n_last_matches or 0)
+    return tuple(candidates[0, len(input_ids):].tolist())
+
+
+@pytest.fixture(scope="module")
+def hf_target(mtp_files):
+    from transformers import Gemma4ForCausalLM
+
+    return Gemma4ForCausalLM.from_pretrained(mtp_files["target"], attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["plain_head", "ordered_embeddings"])
+def test_mtp_candidates_match_transformers(mtp_files, hf_target, ordered):
+    """gemmax's prefill / verify steps keep the target's final-normed hidden state of the position
+    that drew each row's token (equal to HF's `hidden_states[-1]` there), and the MTP proposal step
+    over them and the target's cache drafts transformers' candidates: after the prefill, after a
+    verify step that kept all K proposals, and after one that kept 1 (transformers' drafter then
+    given the target's outputs of the kept positions only: module docstring of gemmax.engine.mtp)."""
+    import copy
+
+    from gemmax.engine.loading import load_model
+    from gemmax.engine.mtp import mtp_propose_rows
+    from gemmax.engine.steps import init_device_state, prefill_step, verify_rows
+
+    directory, hf_assistant = mtp_files["assistant_ordered" if ordered else "assistant"]
+    target = load_model(str(mtp_files["target"]), "float32")
+    config, params = target.checkpoint.config, target.checkpoint.params
+    assistant = load_assistant(directory, jnp.float32)
+    precision = target.policy.precision()
+    P = len(PROMPT)
+
+    with torch.no_grad():
+        first = hf_target(torch.tensor([PROMPT]), use_cache=True, output_hidden_states=True,
+                          return_shared_kv_states=True)
+        greedy = hf_target.generate(torch.tensor([PROMPT]), max_new_tokens=K + 2, do_sample=False)[0, P:].tolist()
+
+    def propose(device):
+        proposals, _ = mtp_propose_rows(params, assistant.params, device, jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+                                        jnp.zeros((1, K), jnp.int32), k=K, config=config,
+                                        assistant_config=assistant.config, precision=precision, kv_len=None)
+        return tuple(int(t) for t in np.asarray(proposals)[0])
+
+    device = init_device_state(config, 1, 64, precision, ring_slack=K + 1 + 4, hidden=True)
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :P] = PROMPT
+    device, (token, *_) = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(P),
+                                       jnp.bool_(True), jnp.bool_(False), config=config, precision=precision)
+    assert int(token) == greedy[0]
+    np.testing.assert_allclose(np.asarray(device.hidden[0]), first.hidden_states[-1][0, -1].numpy(), atol=2e-4, rtol=2e-4)
+    device = device.with_slot(0, token=greedy[0], position=P, remaining=50)
+    drafted = propose(device)
+    assert drafted == _hf_candidates(hf_assistant, hf_target, first, [*PROMPT, greedy[0]], None)
+
+    for kept in (K, 1):
+        proposals = np.asarray([greedy[1 : K + 1]], np.int32)
+        if kept < K:
+            proposals[0, kept] = (proposals[0, kept] + 1) % VOCAB_SIZE
+        after, out = verify_rows(params, jax_copy(device), jnp.zeros(1, bool), jnp.zeros(1, jnp.int32),
+                                 jnp.asarray(proposals), jnp.full(1, K, jnp.int32), config=config, precision=precision)
+        assert int(out[1][0]) == kept and int(after.tokens[0]) == greedy[kept + 1]
+        with torch.no_grad():  # the target's forward over the kept inputs, after the prompt
+            second = hf_target(torch.tensor([greedy[: kept + 1]]), past_key_values=copy.deepcopy(first.past_key_values),
+                               use_cache=True, output_hidden_states=True, return_shared_kv_states=True)
+        np.testing.assert_allclose(np.asarray(after.hidden[0]), second.hidden_states[-1][0, kept].numpy(),
+                                   atol=2e-4, rtol=2e-4)
+        reference = _hf_candidates(hf_assistant, hf_target, second, [*PROMPT, *greedy[: kept + 2]], kept)
+        assert propose(after) == reference, f"after a verify step that kept {kept}"
+    # the drafts depend on the hidden state fed (a zero one gives others)
+    assert propose(dataclasses.replace(device, hidden=device.hidden * 0)) != drafted
+
+
+def jax_copy(tree):
+    import jax
+
+    return jax.tree.map(lambda a: a.copy(), tree)
