@@ -238,3 +238,148 @@ def jax_copy(tree):
     import jax
 
     return jax.tree.map(lambda a: a.copy(), tree)
+
+
+# ------------------------------------------------------------------------- through the batching engine
+def _speculation(method="off", k=4):
+    from gemmax.engine.api import Speculation
+
+    return Speculation(method, k)
+
+
+@pytest.fixture(scope="module")
+def target(mtp_files):
+    from gemmax.engine.loading import load_model
+
+    return load_model(str(mtp_files["target"]), "float32")  # float32: greedy picks do not hinge on bf16 ties
+
+
+@pytest.fixture(scope="module")
+def mtp_engine(target, mtp_files):
+    from gemmax.engine.engine import BatchEngine
+
+    assistant = load_assistant(mtp_files["assistant"][0], jnp.float32)
+    engine = BatchEngine(target, max_model_len=160, max_batch=2, buckets=(16,), steps_per_dispatch=3,
+                         speculation=_speculation(), assistant=assistant).start()
+    assert engine.wait_ready(900)
+    yield engine
+    engine.shutdown(drain_timeout=5)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(3, VOCAB_SIZE, length)) for length in rng.integers(5, 40, n)]
+
+
+def _from_scratch(target, assistant, context, k):
+    """The MTP proposals for a row whose context (prompt + output, ending with the next input) was
+    prefilled afresh into an empty one-slot state: what the engine's must equal, whatever the
+    batching, rollbacks and plain-decoding pauses before."""
+    from gemmax.engine.mtp import mtp_propose_rows
+    from gemmax.engine.steps import init_device_state, prefill_step
+
+    config, params, precision = target.checkpoint.config, target.checkpoint.params, target.policy.precision()
+    n = len(context) - 1
+    device = init_device_state(config, 1, 192, precision, ring_slack=9, hidden=True)
+    tokens = np.zeros((1, 192), np.int32)
+    tokens[0, :n] = context[:n]
+    device, _ = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(n),
+                             jnp.bool_(True), jnp.bool_(False), config=config, precision=precision)
+    device = device.with_slot(0, token=int(context[n]), position=n, remaining=1)
+    proposals, _ = mtp_propose_rows(params, assistant.params, device, jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+                                    jnp.zeros((1, k), jnp.int32), k=k, config=config, assistant_config=assistant.config,
+                                    precision=precision)
+    return tuple(int(t) for t in np.asarray(proposals)[0])
+
+
+def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatch):
+    """MTP requests with k = 2 and 4 next to plain, prompt-lookup ones, more requests than slots, all
+    at once: each gets exactly its plain tokens. And every proposal the engine's assistant made
+    (after prefills, verify steps of any accepted length, plain-decoding pauses, in a group of any
+    row mix) equals the proposal drafted afresh from the same context: the hidden state and K/V the
+    engine keeps for it are the right ones."""
+    from gemmax.engine.api import GenerationRequest
+    from gemmax.engine.mtp import MtpProposer
+
+    seen = []
+    real = MtpProposer.propose
+
+    def recording(self, target_params, device, rows, drafting, table, k, kv_len):
+        proposals, q = real(self, target_params, device, rows, drafting, table, k, kv_len)
+        got = np.asarray(proposals)
+        seen.extend((tuple(int(t) for t in context), k, tuple(int(t) for t in got[j])) for j, context in drafting.items())
+        return proposals, q
+
+    monkeypatch.setattr(MtpProposer, "propose", recording)
+    prompts, budgets = _prompts(5), [90, 40, 70, 17, 50]
+    specs = [_speculation("mtp", 2), _speculation("mtp", 4), _speculation(), _speculation("ngram", 2),
+             _speculation("mtp", 4)]
+
+    def run(spec_of):
+        handles = [mtp_engine.submit(GenerationRequest(p, b, speculative=spec_of(i), ignore_eos=True))
+                   for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
+        return [h.wait() for h in handles]
+
+    plain = run(lambda i: _speculation())
+    seen.clear()
+    spec = run(lambda i: specs[i])
+    for i, (reference, result) in enumerate(zip(plain, spec, strict=True)):
+        assert result.token_ids == reference.token_ids, f"request {i} ({specs[i]})"
+        assert result.finish_reason == "length" and len(result.token_ids) == budgets[i]
+        if specs[i].method == "mtp":
+            assert result.speculation.steps > 0 and result.speculation.proposed > 0
+    assert len(seen) >= 10
+    assistant = mtp_engine.mtp.assistant
+    for context, k, proposals in seen[:: max(1, len(seen) // 12)]:
+        assert proposals == _from_scratch(target, assistant, context, k), f"context of {len(context)} tokens, k={k}"
+
+
+def test_seeded_sampled_mtp_repeats_itself(mtp_engine):
+    """A sampled request drafts by q and is verified by the rejection rule with q: seeded, it draws the
+    same tokens again, runs to its budget and speculates."""
+    from gemmax.engine.api import GenerationRequest, SamplingParams
+
+    prompt = _prompts(1, seed=4)[0]
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+
+    def run():
+        return mtp_engine.submit(GenerationRequest(prompt, 40, speculative=_speculation("mtp", 4), sampling=sampled,
+                                                   ignore_eos=True)).wait()
+
+    first, second = run(), run()
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 40
+    assert first.speculation.steps > 0
+    other = mtp_engine.submit(GenerationRequest(prompt, 40, speculative=_speculation("mtp", 4),
+                                                sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=8),
+                                                ignore_eos=True)).wait()
+    assert other.token_ids != first.token_ids
+
+
+def test_a_mismatched_assistant_is_refused(mtp_files, target, tmp_path):
+    """Refused when the engine is built, before anything compiles, with the values: another backbone
+    width, another vocabulary, a Gemma 3 target; and method 'mtp' without an assistant."""
+    from types import SimpleNamespace
+
+    from gemmax.engine.api import GenerationRequest, InvalidRequest, validate_request
+    from gemmax.engine.engine import BatchEngine
+    from gemmax.engine.mtp import AssistantMismatch, check_mtp
+    from gemmax.model.config import ModelConfig
+    from hf_reference import GEMMA3_CONFIGS
+
+    build_assistant(tmp_path / "narrow", ordered=False, backbone=48)
+    narrow = load_assistant(tmp_path / "narrow")
+    with pytest.raises(AssistantMismatch, match="48-wide backbone, the target's hidden size is 64"):
+        BatchEngine(target, max_model_len=64, max_batch=1, buckets=(16,), speculation=_speculation(), assistant=narrow)
+    build_assistant(tmp_path / "small_vocab", ordered=False, vocab_size=384)
+    with pytest.raises(AssistantMismatch, match="384 tokens"):
+        BatchEngine(target, max_model_len=64, max_batch=1, buckets=(16,), speculation=_speculation(),
+                    assistant=load_assistant(tmp_path / "small_vocab"))
+    gemma3 = ModelConfig.from_hf_config({**GEMMA3_CONFIGS["g3_small"], "model_type": "gemma3_text"})
+    with pytest.raises(AssistantMismatch, match="Gemma 4 targets only"):
+        check_mtp(SimpleNamespace(checkpoint=SimpleNamespace(config=gemma3), name="g3"),
+                  load_assistant(mtp_files["assistant"][0]))
+    with pytest.raises(ValueError, match="--speculative mtp"):
+        BatchEngine(target, max_model_len=64, max_batch=1, buckets=(16,), assistant=narrow)
+    with pytest.raises(InvalidRequest, match="no MTP assistant"):
+        validate_request(GenerationRequest((1, 2, 3), 4, speculative=_speculation("mtp", 4)), max_model_len=64,
+                         vocab_size=512, spec_ks=(2, 4, 8), draft=True)
