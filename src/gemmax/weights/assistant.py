@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from gemmax.model.assistant import AssistantConfig, assistant_param_specs
 from gemmax.model.params import Params, count_bytes
@@ -42,6 +43,35 @@ def assistant_directory(model: str | Path) -> Path:
 
     return hub_fetch(str(model), lambda **kw: snapshot_download(str(model), allow_patterns=_PATTERNS, **kw),
                      "assistant")
+
+
+def read_config(model: str | Path) -> dict | None:
+    """The config.json of a local directory or hub id (only that file is fetched); None if it has none."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+        return json.loads(file.read_text()) if file.is_file() else None
+    if not HUB_ID.fullmatch(str(model)):
+        return None
+    from huggingface_hub import hf_hub_download
+
+    file = hub_fetch(str(model), lambda **kw: hf_hub_download(str(model), "config.json", **kw), "config.json of")
+    return json.loads(Path(file).read_text())
+
+
+def is_assistant(model: str | Path) -> bool:
+    """Whether `model` (a `--draft-model`) is a Gemma 4 MTP assistant rather than a draft model."""
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return False
+    config = read_config(model)
+    return config is not None and config.get("model_type") == "gemma4_assistant"
+
+
+def assistant_weight_bytes(config: AssistantConfig, weight_dtype: Any) -> int:
+    """Bytes the loaded assistant keeps, from its declared shapes (for `gemmax fit`)."""
+    return sum(int(np.prod(s.shape)) * jnp.dtype(jnp.int32 if s.path == ("token_ordering",) else s.dtype(weight_dtype)).itemsize
+               for s in assistant_param_specs(config))
 
 
 def load_assistant(model: str | Path, weight_dtype: Any = jnp.bfloat16) -> AssistantCheckpoint:
