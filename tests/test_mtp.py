@@ -293,22 +293,35 @@ def _from_scratch(target, assistant, context, k):
 
 
 def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatch):
-    """MTP requests with k = 2 and 4 next to plain, prompt-lookup ones, more requests than slots, all
-    at once: each gets exactly its plain tokens. And every proposal the engine's assistant made
-    (after prefills, verify steps of any accepted length, plain-decoding pauses, in a group of any
-    row mix) equals the proposal drafted afresh from the same context: the hidden state and K/V the
-    engine keeps for it are the right ones."""
+    """MTP requests with k = 2 and 4 next to plain and prompt-lookup ones, more requests than slots,
+    all at once: each gets exactly its plain tokens. Then again with the assistant's proposals
+    replaced, after it drafted, by each request's true continuation with one token wrong at a
+    pseudo-random place (a random assistant is almost never right: this makes verify steps keep every
+    length from 0 to k). Every proposal the engine's assistant drafted, in both runs (after
+    prefills, verify steps of any kept length, plain-decoding pauses, in groups of any row mix),
+    equals the one drafted afresh from the same context: the hidden state and K/V the engine keeps
+    for it are the right ones."""
     from gemmax.engine.api import GenerationRequest
     from gemmax.engine.mtp import MtpProposer
 
-    seen = []
+    seen, references = [], {}
     real = MtpProposer.propose
 
     def recording(self, target_params, device, rows, drafting, table, k, kv_len):
         proposals, q = real(self, target_params, device, rows, drafting, table, k, kv_len)
-        got = np.asarray(proposals)
+        got = np.array(proposals)  # a writable copy
         seen.extend((tuple(int(t) for t in context), k, tuple(int(t) for t in got[j])) for j, context in drafting.items())
-        return proposals, q
+        if not references:
+            return proposals, q
+        for j, context in drafting.items():  # the true continuation, wrong at 0 .. k + 1 (k, k + 1: all right)
+            prompt = next(p for p in references if tuple(context[: len(p)]) == p)
+            generated = len(context) - len(prompt)
+            truth = np.resize(np.asarray(references[prompt][generated : generated + k] or (0,), np.int32), k)
+            at = int(np.random.default_rng(len(context)).integers(k + 2))
+            if at < k:
+                truth[at] = (truth[at] + 1) % VOCAB_SIZE
+            got[j] = truth
+        return jnp.asarray(got), q
 
     monkeypatch.setattr(MtpProposer, "propose", recording)
     prompts, budgets = _prompts(5), [90, 40, 70, 17, 50]
@@ -321,17 +334,25 @@ def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatc
         return [h.wait() for h in handles]
 
     plain = run(lambda i: _speculation())
-    seen.clear()
-    spec = run(lambda i: specs[i])
-    for i, (reference, result) in enumerate(zip(plain, spec, strict=True)):
-        assert result.token_ids == reference.token_ids, f"request {i} ({specs[i]})"
-        assert result.finish_reason == "length" and len(result.token_ids) == budgets[i]
-        if specs[i].method == "mtp":
-            assert result.speculation.steps > 0 and result.speculation.proposed > 0
-    assert len(seen) >= 10
-    assistant = mtp_engine.mtp.assistant
-    for context, k, proposals in seen[:: max(1, len(seen) // 12)]:
-        assert proposals == _from_scratch(target, assistant, context, k), f"context of {len(context)} tokens, k={k}"
+    for oracle in (False, True):
+        if oracle:
+            references.update({p: r.token_ids for p, r in zip(prompts, plain, strict=True)})
+        seen.clear()
+        spec = run(lambda i: specs[i])
+        for i, (reference, result) in enumerate(zip(plain, spec, strict=True)):
+            assert result.token_ids == reference.token_ids, f"request {i} ({specs[i]}, oracle {oracle})"
+            assert result.finish_reason == "length" and len(result.token_ids) == budgets[i]
+            if specs[i].method == "mtp":
+                assert result.speculation.steps > 0 and result.speculation.proposed > 0
+        if oracle:
+            kept = [n for i, r in enumerate(spec) if specs[i].method == "mtp"
+                    for n, count in enumerate(r.speculation.accepted_lengths) if count]
+            assert {0, 2, 4} <= set(kept), kept
+        assert len(seen) >= 10
+        assistant = mtp_engine.mtp.assistant
+        for context, k, proposals in seen[:: max(1, len(seen) // 12)]:
+            assert proposals == _from_scratch(target, assistant, context, k), \
+                f"context of {len(context)} tokens, k={k}, oracle {oracle}"
 
 
 def test_seeded_sampled_mtp_repeats_itself(mtp_engine):
@@ -383,3 +404,27 @@ def test_a_mismatched_assistant_is_refused(mtp_files, target, tmp_path):
     with pytest.raises(InvalidRequest, match="no MTP assistant"):
         validate_request(GenerationRequest((1, 2, 3), 4, speculative=_speculation("mtp", 4)), max_model_len=64,
                          vocab_size=512, spec_ks=(2, 4, 8), draft=True)
+
+
+def test_serve_and_fit_flags_take_an_assistant(mtp_files):
+    """`--speculative mtp` needs `--draft-model`; a `--draft-model` is an assistant by its config;
+    `gemmax fit --draft-model ASSISTANT` counts exactly the weights the loader keeps, no KV cache."""
+    import typer
+    from typer.testing import CliRunner
+
+    from gemmax.cli import _speculation, app
+    from gemmax.weights.assistant import is_assistant
+
+    assert _speculation("mtp", 2, "assistant") == _speculation("mtp", 2, "assistant") == _speculation("mtp", 2, "a")
+    assert _speculation("mtp", 2, "a").method == "mtp"
+    with pytest.raises(typer.BadParameter, match="--speculative mtp needs --draft-model"):
+        _speculation("mtp", 4, None)
+    directory = mtp_files["assistant"][0]
+    assert is_assistant(directory) and not is_assistant(mtp_files["target"])
+    result = CliRunner().invoke(app, ["fit", "--model", str(mtp_files["target"]), "--draft-model", str(directory),
+                                      "--max-model-len", "64", "--max-batch", "1", "--dtype", "float32",
+                                      "--device-memory-gib", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output.strip().splitlines()[-1])
+    assert plan["draft_weights"] == load_assistant(directory, jnp.float32).weight_bytes
+    assert plan["draft_kv_cache"] == 0
