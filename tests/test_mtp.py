@@ -5,7 +5,7 @@ masked) embeddings; the drafted candidates of gemmax's MTP proposer equal transf
 `SinglePositionMultiTokenCandidateGenerator` (what `generate(assistant_model=...)` drives) after the
 prefill and after a verify round that kept every proposal; and through the batching engine, greedy
 output with the MTP proposer equals plain decoding, a seeded sampled request repeats itself, and a
-mismatched assistant is refused at start-up.
+mismatched assistant is refused at start-up; `gemmax fit` and the serve flags take an assistant.
 
 transformers 5.23 cannot build a Gemma4AssistantForCausalLM as released: its text config's
 `kv_sharing_modes` raises when every layer is shared (no layer of any type produces a cache),
