@@ -280,7 +280,7 @@ def test_requests_are_validated_and_the_ring_slack_is_in_the_memory_plan(engine,
         with pytest.raises(InvalidRequest) as refused:
             engine.submit(GenerationRequest((1, 2, 3), 4, speculative=spec))
         assert refused.value.param == param
-        assert "2, 4, 8" in str(refused.value) or "ngram, draft, off" in str(refused.value)
+        assert "2, 4, 8" in str(refused.value) or "ngram, draft, mtp, off" in str(refused.value)
     with pytest.raises(InvalidRequest, match="--speculative"):
         validate_request(GenerationRequest((1, 2), 4, speculative=Speculation()), max_model_len=64, vocab_size=128)
     validate_request(GenerationRequest((1, 2), 4, speculative=PLAIN), max_model_len=64, vocab_size=128)

@@ -208,7 +208,7 @@ def fit(
     json_output: bool = typer.Option(False, "--json", help="print the plan as one JSON object"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),
     speculative: bool = typer.Option(False, "--speculative", help="plan for `serve --speculative`: sliding rings with 8 slots of slack (docs/speculative.md)"),
-    draft_model: str = typer.Option(None, help="plan for `serve --draft-model`: the draft's weights and KV cache too (implies --speculative)"),
+    draft_model: str = typer.Option(None, help="plan for `serve --draft-model`: the draft's weights and KV cache too, or an MTP assistant's weights (no KV of its own; implies --speculative)"),
     table: bool = typer.Option(False, "--table", help="for E2B, E4B, 31B and 26B-A4B on common accelerators: the smallest mesh serving 8 slots x 8,192 tokens (bf16) and the largest batch / context there"),
     quant=None,
 ) -> None:
@@ -242,20 +242,28 @@ def fit(
     config = source.config
     asked, quant = quant, quant_for(source, dtype, quant)
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype
-    draft = {}
+    draft, mtp_slack = {}, 0
     if draft_model is not None:
         if spec is not None:
             raise typer.BadParameter("a draft model runs on one device: --draft-model cannot be planned with --mesh")
-        draft_source = open_source(draft_model, weights=False)
-        draft_quant = quant_for(draft_source, dtype, asked)
-        draft = {"draft_config": draft_source.config,
-                 "draft_weights": quantized_weight_bytes(draft_source.config, draft_quant, p.weight_dtype)}
+        from gemmax.model.assistant import AssistantConfig
+        from gemmax.weights.assistant import assistant_weight_bytes, is_assistant, read_config
+
+        if is_assistant(draft_model):  # weights only: it reads the target's KV; rings one slot more
+            assistant = AssistantConfig.from_hf_config(read_config(draft_model))
+            draft = {"draft_weights": assistant_weight_bytes(assistant, p.weight_dtype)}
+            mtp_slack = 1
+        else:
+            draft_source = open_source(draft_model, weights=False)
+            draft_quant = quant_for(draft_source, dtype, asked)
+            draft = {"draft_config": draft_source.config,
+                     "draft_weights": quantized_weight_bytes(draft_source.config, draft_quant, p.weight_dtype)}
         speculative = True
     plan = plan_memory(config, max_model_len, max_batch, memory, weight_dtype=p.weight_dtype,
                        kv_dtype=jnp.int8 if kv == "int8" else DTYPES[kv],
                        activation_dtype=DTYPES[p.activations],
                        prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
-                       ring_slack=max(SPEC_KS) if speculative else 0,
+                       ring_slack=max(SPEC_KS) + mtp_slack if speculative else 0,
                        weights=quantized_weight_bytes(config, quant, p.weight_dtype) if quant.changes_weights else None,
                        prefix_cache_bytes=0 if spec is not None else prefix_cache_bytes, **draft)
     by_option = weight_bytes_table(config, p.weight_dtype)  # exact, from shapes (jax.eval_shape)
@@ -271,17 +279,17 @@ def _speculation(method: str, k: int, draft_model: str | None = None):
     """--speculative / --spec-k / --draft-model -> the engine's `speculation` (None: off)."""
     from gemmax.engine.api import SPEC_KS, Speculation
 
-    if method not in ("off", "ngram", "draft", "on-request"):
-        raise typer.BadParameter(f"--speculative must be off, ngram, draft or on-request, got {method!r}")
-    if method == "draft" and draft_model is None:
-        raise typer.BadParameter("--speculative draft needs --draft-model PATH")
-    if draft_model is not None and method not in ("draft", "on-request"):
-        raise typer.BadParameter(f"--draft-model drafts for --speculative draft (or on-request), not {method!r}")
+    if method not in ("off", "ngram", "draft", "mtp", "on-request"):
+        raise typer.BadParameter(f"--speculative must be off, ngram, draft, mtp or on-request, got {method!r}")
+    if method in ("draft", "mtp") and draft_model is None:
+        raise typer.BadParameter(f"--speculative {method} needs --draft-model PATH")
+    if draft_model is not None and method not in ("draft", "mtp", "on-request"):
+        raise typer.BadParameter(f"--draft-model drafts for --speculative draft, mtp (or on-request), not {method!r}")
     if k not in SPEC_KS:
         raise typer.BadParameter(f"--spec-k must be one of {', '.join(map(str, SPEC_KS))}, got {k}")
     if method == "off":
         return None
-    return Speculation(method if method in ("ngram", "draft") else "off", k)
+    return Speculation(method if method in ("ngram", "draft", "mtp") else "off", k)
 
 
 @app.command()
@@ -302,8 +310,8 @@ def serve(
     allowed_host: list[str] = typer.Option([], help="extra Host names served on a loopback bind (repeatable)"),
     prefix_cache_bytes: int = typer.Option(None, min=0, help="device bytes kept for the KV of prompt prefixes that later requests reuse (LRU; default: the memory plan's free bytes, at most 1 GiB; 0: off; not with --mesh; docs/server.md)"),
     batch_invariant: bool = typer.Option(False, help="decode each row as a single stream would (greedy texts independent of what shares the batch; batched decode slower: docs/server.md)"),
-    speculative: str = typer.Option("off", help="speculative decoding (docs/speculative.md): off; ngram (prompt lookup for every request that does not opt out); draft (the --draft-model proposes, likewise); on-request (only requests with the `speculative` extra)"),
-    draft_model: str = typer.Option(None, help="a small model sharing the target's tokenizer that proposes tokens (HF directory, .gguf or hub id; with --speculative draft or on-request)"),
+    speculative: str = typer.Option("off", help="speculative decoding (docs/speculative.md): off; ngram (prompt lookup for every request that does not opt out); draft (the --draft-model proposes, likewise); mtp (the --draft-model is a Gemma 4 MTP assistant, gemma4_assistant, that drafts from the target's hidden state and KV cache); on-request (only requests with the `speculative` extra)"),
+    draft_model: str = typer.Option(None, help="a small model sharing the target's tokenizer that proposes tokens (HF directory, .gguf or hub id; with --speculative draft or on-request), or a Gemma 4 MTP assistant checkpoint (HF directory or hub id, e.g. the target's '-assistant'; with --speculative mtp or on-request)"),
     spec_k: int = typer.Option(4, help="tokens proposed per verify step by default: 2, 4 or 8"),
     log_level: str = typer.Option("info"),
     mesh: str = typer.Option(None, help="dp=D,tp=T[,ep=E]: data (decode slots), tensor and expert parallel over D*T*E devices (docs/mesh.md); default one device"),

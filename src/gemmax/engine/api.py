@@ -90,14 +90,15 @@ class Constraint:
     param: str | None = None
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "off")  # prompt lookup; a draft model; or plain decoding for this request
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "off")  # prompt lookup; a draft model; Gemma 4's MTP assistant; or plain
 SPEC_KS = (2, 4, 8)  # proposed tokens per verify step: one compiled verify shape each
 
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """Speculative decoding of one request (gemmax.engine.speculative): `method` "ngram" (prompt
-    lookup), "draft" (the server's draft model, gemmax.engine.draft) or "off", at most `k` proposed
+    lookup), "draft" (the server's draft model, gemmax.engine.draft), "mtp" (the server's Gemma 4 MTP
+    assistant, gemmax.engine.mtp) or "off", at most `k` proposed
     tokens per verify step."""
 
     method: str = "ngram"
@@ -324,11 +325,12 @@ def check_token_ids(param: str, ids: Any, vocab_size: int) -> None:
 
 
 def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_size: int,
-                     spec_ks: tuple[int, ...] = (), draft: bool = False) -> None:
+                     spec_ks: tuple[int, ...] = (), draft: bool = False, mtp: bool = False) -> None:
     """Refuse, with the offending parameter, anything the engine cannot serve exactly as asked. The
     only request validation there is: BatchEngine.submit and the tests' fake engine both call it,
     and the server maps what it raises to HTTP. `spec_ks`: the proposal lengths the engine compiled a
-    verify step for (empty: no speculative decoding); `draft`: whether it has a draft model."""
+    verify step for (empty: no speculative decoding); `draft`, `mtp`: whether it has a draft model, an
+    MTP assistant."""
     prompt = request.prompt_ids
     if not prompt:
         raise InvalidRequest("prompt", "prompt is empty")
@@ -387,6 +389,9 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
             if spec.method == "draft" and not draft:
                 raise InvalidRequest("speculative.method", "this server has no draft model: start it with "
                                      "--draft-model PATH to use method 'draft'")
+            if spec.method == "mtp" and not mtp:
+                raise InvalidRequest("speculative.method", "this server has no MTP assistant: start it with "
+                                     "--speculative mtp --draft-model ASSISTANT to use method 'mtp'")
 
 
 class Admission:

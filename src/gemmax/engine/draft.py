@@ -161,7 +161,16 @@ def draft_prefill(params, cache: KVCache, tokens, slot, start, num_new, *, confi
     return cache.put_rows(row, slot)
 
 
-def _light_rows(state: SamplingState, rows) -> SamplingState:
+def draw_proposal(logits: jax.Array, j, state: SamplingState) -> tuple[jax.Array, jax.Array]:
+    """Proposal j of every row from a drafter's logits [g, V]: (the token [g], drawn at the row's
+    generation step + j from q_j, or the argmax of a greedy row; q_j [g, V], `probabilities`)."""
+    stepped = dataclasses.replace(state, step=state.step + j)
+    q = probabilities(logits, stepped)
+    sampled = _categorical(_step_keys(state.key, stepped.step, _DRAFT_TAG), jnp.maximum(q, 0.0))
+    return jnp.where(state.temperature > 0, sampled, _argmax(logits)), q
+
+
+def light_rows(state: SamplingState, rows) -> SamplingState:
     """The settings, keys and steps of rows `rows` (not the [B, V] counts)."""
     light = dataclasses.replace(state, output_counts=None, prompt_mask=None)
     return jax.tree.map(lambda a: a[rows], light)
@@ -176,16 +185,12 @@ def propose_rows(params, cache: KVCache, sampling: SamplingState, rows, tokens, 
     target's per-slot sampling state (the rows' settings, keys and generation steps). kv_len must
     cover start + num_new + k - 1. Returns (cache, proposals [g, k] (the draft's on drafting rows,
     `table` [g, k] on the others), q [g, k, V]: the distribution each proposal was drawn from)."""
-    state = _light_rows(sampling, rows)
+    state = light_rows(sampling, rows)
     active = num_new > 0
     sub = cache.gather(rows, kv_len)
     logits, sub = forward(params, sub, tokens, start, num_new, config=config, precision=precision, kv_len=kv_len)
 
-    def draw(logits, j):  # proposal j of every row: its distribution q_j and the token drawn from it
-        stepped = dataclasses.replace(state, step=state.step + j)
-        q = probabilities(logits, stepped)
-        sampled = _categorical(_step_keys(state.key, stepped.step, _DRAFT_TAG), jnp.maximum(q, 0.0))
-        return jnp.where(state.temperature > 0, sampled, _argmax(logits)), q
+    draw = functools.partial(draw_proposal, state=state)
 
     def step(carry, j):
         sub, logits, position = carry

@@ -44,7 +44,9 @@ proposer has tokens to offer, the dispatch is one verify step of the decode grou
 (`_speculative_dispatch`); rows without proposals take one token from it as from a decode step.
 With a draft model (`draft`, gemmax.engine.draft) the draft proposes on the device first
 (`propose[g, k]` per decode shape, warmed like the verify step, and the draft's prefill per prefill
-shape), and its cache follows each slot's accepted tokens.
+shape), and its cache follows each slot's accepted tokens. With Gemma 4's MTP assistant
+(`assistant`, gemmax.engine.mtp) the device state also keeps each slot's last hidden state, and the
+assistant proposes from it and the target's own KV cache (`mtp_propose[g, k]` per decode shape).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from gemmax.engine.draft import Drafter, check_draft
 from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore
 from gemmax.engine.memory import check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
+from gemmax.engine.mtp import MtpProposer, check_mtp
 from gemmax.engine.prefix_cache import PrefixCache
 from gemmax.engine.sampling import row_values
 from gemmax.engine.schedule import IDLE, IDLE_SECONDS, STOP
@@ -167,7 +170,7 @@ class BatchEngine:
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
                  batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0,
-                 speculation: Speculation | None = None, draft=None):
+                 speculation: Speculation | None = None, draft=None, assistant=None):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         if speculation is not None and (mesh is not None or batch_invariant):
@@ -183,9 +186,15 @@ class BatchEngine:
         if draft is not None and speculation is None:
             raise ValueError("a draft model drafts for speculative decoding: give --speculative draft (or "
                              "on-request) with --draft-model")
+        if assistant is not None and speculation is None:
+            raise ValueError("an MTP assistant drafts for speculative decoding: give --speculative mtp (or "
+                             "on-request) with --draft-model")
+        if assistant is not None and draft is not None:
+            raise ValueError("one drafter per engine: a draft model or an MTP assistant, not both")
         self.speculation = speculation
         self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
-        self.ring_slack = max(self.spec_ks, default=0)
+        # An MTP assistant's sliding layers see W + 1 positions back: one more slot (gemmax.engine.mtp).
+        self.ring_slack = max(self.spec_ks, default=0) + (assistant is not None)
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
         policy = loaded.policy
@@ -200,6 +209,11 @@ class BatchEngine:
         if draft is not None:
             check_draft(loaded, draft)
             self.drafter = Drafter(draft, max_model_len, max_batch, policy.precision(), self.ring_slack, self.shapes)
+        # The MTP assistant (None: none): no cache of its own, it reads the target's state.
+        self.mtp: MtpProposer | None = None
+        if assistant is not None:
+            check_mtp(loaded, assistant)
+            self.mtp = MtpProposer(assistant, self.config, policy.precision())
         # Refuse at start-up, with the arithmetic, a deployment that cannot fit the device.
         self.memory_plan = check_fit(plan_memory(
             self.config, max_model_len, max_batch, policy.device_memory_bytes, weight_dtype=policy.weight_dtype,
@@ -207,7 +221,8 @@ class BatchEngine:
             prefill_tokens=self.shapes.buckets[-1], weights=loaded.checkpoint.weight_bytes, model=loaded.name,
             mesh=mesh, prefix_cache_bytes=prefix_cache_bytes,
             ring_slack=self.ring_slack, draft_config=None if draft is None else draft.checkpoint.config,
-            draft_weights=0 if draft is None else draft.checkpoint.weight_bytes))
+            draft_weights=(0 if draft is None else draft.checkpoint.weight_bytes)
+            + (0 if assistant is None else assistant.weight_bytes)))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
@@ -314,7 +329,8 @@ class BatchEngine:
             "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
             "speculative": None if self.speculation is None else {
                 "default": dataclasses.asdict(self.speculation), "k": list(self.spec_ks), "ring_slack": self.ring_slack,
-                "draft": None if self.drafter is None else self.drafter.describe()},
+                "draft": None if self.drafter is None else self.drafter.describe(),
+                "mtp": None if self.mtp is None else self.mtp.describe()},
             "warmup": self.warmup_report,
         }
 
@@ -322,7 +338,7 @@ class BatchEngine:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                         spec_ks=self.spec_ks, draft=self.drafter is not None)
+                         spec_ks=self.spec_ks, draft=self.drafter is not None, mtp=self.mtp is not None)
         if request.speculative is None and self.speculation is not None:  # the engine's default
             request = dataclasses.replace(request, speculative=self.speculation)
         if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
@@ -398,8 +414,9 @@ class BatchEngine:
     @_replayed
     def _init_device_state(self) -> None:
         slack = (self.ring_slack,) if self.ring_slack else ()  # the mesh's init takes none (no speculation there)
+        hidden = {"hidden": True} if self.mtp is not None else {}  # the assistant reads it; else none is kept
         self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
-                                                   *slack)
+                                                   *slack, **hidden)
         self.want_logprobs[:] = False
         if self.drafter is not None:
             self.drafter.reset()
@@ -439,6 +456,8 @@ class BatchEngine:
             self._throwaway_group()
             if self.drafter is not None:
                 self._warm_up_draft()
+            if self.mtp is not None:
+                self._warm_up_mtp()
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
@@ -446,6 +465,7 @@ class BatchEngine:
             self.prefix_cache.clear()
         prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.decode_shapes)
         shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
+        shapes += 0 if self.mtp is None else 2 * decodes * len(self.spec_ks)
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
@@ -468,7 +488,7 @@ class BatchEngine:
             rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
             calls.append(("decode_step" if rows is None else "decode_rows",
                           *self._decode_args(jnp.asarray(self.want_logprobs), rows, kv_len)))
-            if self.drafter is None:  # with a draft every verify step takes q: `_warm_up_draft`
+            if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
                 calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32),
                                                              np.zeros((size, k), np.int32), np.zeros(size, np.int32),
                                                              kv_len)) for k in self.spec_ks]
@@ -484,6 +504,15 @@ class BatchEngine:
             for k in self.spec_ks:
                 rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
                 proposals, q = self.drafter.propose(rows, {}, self.device.sampling, table, k, kv_len)
+                self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
+
+    def _warm_up_mtp(self) -> None:
+        """The MTP assistant's proposal step per decode group, k and KV bound, then the target's
+        verify step with q (all rows idle: nothing is kept)."""
+        for size, kv_len in self.shapes.decode_shapes:
+            for k in self.spec_ks:
+                rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
+                proposals, q = self.mtp.propose(self.params, self.device, rows, {}, table, k, kv_len)
                 self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
 
     @_replayed
@@ -990,7 +1019,7 @@ class BatchEngine:
                 slot.speculation = RequestSpeculation(slot.request.speculative.method, slot.request.speculative.k)
             context = np.asarray((*slot.request.prompt_ids, *slot.tokens), np.int32)
             owed = slot.budget - len(slot.tokens)
-            if slot.speculation.method == "draft":
+            if slot.speculation.method in ("draft", "mtp"):
                 count = min(slot.speculation.k, owed - 1) if slot.speculation.active(len(slot.tokens)) else 0
                 if count > 0:
                     drafting[j], proposals[j] = context, np.zeros(count, np.int32)  # drawn on the device
@@ -1005,18 +1034,21 @@ class BatchEngine:
         for j, proposed in proposals.items():
             table[j, : len(proposed)], counts[j] = proposed, len(proposed)
         rows, kv_len = np.asarray(slot_of, np.int32), self._kv_bound_after(k + 1)
-        if self.drafter is None:
+        if self.drafter is None and self.mtp is None:
             out = self._dispatch_verify(rows, table, counts, kv_len)
         else:  # one verify shape per (group, k, kv_len) with or without draft rows: q unused when none drafts
             drafted = np.isin(np.arange(len(slot_of)), list(drafting))
-            if drafting:
+            if drafting and self.mtp is not None:
+                table, q = self.mtp.propose(self.params, self.device, rows, drafting, table, k, kv_len)
+            elif drafting:
                 table, q = self.drafter.propose(rows, drafting, self.device.sampling, table, k, kv_len)
             else:
                 q = jnp.zeros((len(slot_of), k, self.config.vocab_size), jnp.float32)
             out = self._dispatch_verify(rows, table, counts, kv_len, q, drafted)
         drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
-        for j, context in drafting.items():  # the draft's cache now holds the accepted tokens (but one)
-            self.drafter.observe(int(slot_of[j]), len(context) - 1, int(accepted[j]), k)
+        if self.drafter is not None:  # the draft's cache now holds the accepted tokens (but one)
+            for j, context in drafting.items():
+                self.drafter.observe(int(slot_of[j]), len(context) - 1, int(accepted[j]), k)
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
             slot = self._slots[i]

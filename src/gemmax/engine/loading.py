@@ -19,6 +19,7 @@ from gemmax.model.config import ModelConfig
 from gemmax.model.params import count_bytes
 from gemmax.quant.options import QuantOptions
 from gemmax.quant.plan import resolve as resolve_quant
+from gemmax.weights.assistant import is_assistant, load_assistant
 from gemmax.weights.checkpoint import Checkpoint
 from gemmax.weights.load import load_checkpoint, open_source
 from gemmax.weights.source import ModelSource
@@ -82,12 +83,25 @@ def load_model(model: str | Path | ModelSource | None, dtype: str | None = None,
 def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, mesh: MeshSpec | None = None,
                  draft_model: str | None = None, **engine_options):
     """What `gemmax serve` runs before it can answer: resolve and load the model (and the draft
-    model, through the same path), build the batching engine and start its warm-up (in the engine's
-    thread; it reports ready when done). Returns (engine, tokenizer)."""
+    model, through the same path, or a Gemma 4 MTP assistant: a `--draft-model` whose config is
+    `gemma4_assistant`, loaded unquantised in the target's weight dtype), build the batching engine
+    and start its warm-up (in the engine's thread; it reports ready when done). Returns (engine,
+    tokenizer)."""
     loaded = load_model(model, dtype, quant, mesh=mesh)
-    draft = None if draft_model is None else load_model(draft_model, dtype, quant, mesh=mesh)
+    draft = assistant = None
+    if draft_model is not None:
+        method = getattr(engine_options.get("speculation"), "method", None)
+        if is_assistant(draft_model):
+            if method == "draft":
+                raise ValueError(f"{draft_model} is a Gemma 4 MTP assistant, not a draft model: give --speculative mtp")
+            assistant = load_assistant(draft_model, loaded.policy.weight_dtype)
+        elif method == "mtp":
+            raise ValueError(f"--speculative mtp needs a Gemma 4 MTP assistant (config model_type gemma4_assistant) "
+                             f"as --draft-model, {draft_model} is not one")
+        else:
+            draft = load_model(draft_model, dtype, quant, mesh=mesh)
     schedule = Leader() if jax.process_count() > 1 else None  # process 0 of several: the others follow
-    engine = BatchEngine(loaded, mesh=mesh, schedule=schedule, draft=draft, **engine_options)
+    engine = BatchEngine(loaded, mesh=mesh, schedule=schedule, draft=draft, assistant=assistant, **engine_options)
     engine.start()
     return engine, loaded.tokenizer
 

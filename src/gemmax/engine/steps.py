@@ -50,6 +50,9 @@ class DeviceState:
     tokens: jax.Array  # [B] i32: each slot's last token (the next step's input)
     positions: jax.Array  # [B] i32: tokens cached per slot
     remaining: jax.Array  # [B] i32: tokens the slot still owes (0: idle, writes nothing)
+    # [B, H]: the target's final-normed hidden state at the position that produced each slot's token
+    # (what an MTP assistant reads, gemmax.engine.mtp); None without one: the steps then compute none.
+    hidden: jax.Array | None = None
 
     def with_slot(self, slot: int, *, token: int | None = None, position: int | None = None,
                   remaining: int | None = None) -> DeviceState:
@@ -61,12 +64,21 @@ class DeviceState:
 
 
 def init_device_state(config: ModelConfig, slots: int, max_len: int, precision: Precision,
-                      ring_slack: int = 0) -> DeviceState:
+                      ring_slack: int = 0, hidden: bool = False) -> DeviceState:
     """The zeroed state of `slots` decode slots of up to `max_len` positions, every slot idle; sliding
-    rings with `ring_slack` extra slots (speculative decoding's k_max)."""
+    rings with `ring_slack` extra slots (speculative decoding's k_max); `hidden`: keep each slot's
+    last hidden state (an MTP assistant drafts)."""
     return DeviceState(cache=init_cache(config, slots, max_len, precision.kv_cache, ring_slack),
                        sampling=SamplingState.empty(slots, config.vocab_size), tokens=jnp.zeros(slots, jnp.int32),
-                       positions=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32))
+                       positions=jnp.zeros(slots, jnp.int32), remaining=jnp.zeros(slots, jnp.int32),
+                       hidden=jnp.zeros((slots, config.hidden_size), precision.activation) if hidden else None)
+
+
+def _keep_hidden(old: jax.Array | None, new: jax.Array | None, rows_taking: jax.Array) -> jax.Array | None:
+    """The hidden state [B, H] with `new` in the rows `rows_taking` [B] bool (None: none is kept)."""
+    if old is None:
+        return None
+    return jnp.where(rows_taking[:, None], new.astype(old.dtype), old)
 
 
 def _rows(tree, slot):
@@ -91,12 +103,15 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     top ids, top logprobs)); the slot's token, position and budget are the scheduler's to set. `mask`
     [1, ceil(V / 32)] i32: the allowed first tokens of a constrained request (None: free)."""
     row_cache = device.cache.rows(slot)
-    logits, row_cache = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
-                                precision=precision, kv_len=kv_len)
+    logits, row_cache, *h = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
+                                    precision=precision, kv_len=kv_len, hidden=device.hidden is not None)
     ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(device.sampling, slot), want_logprobs[None],
                                                  last_chunk[None], mask)
+    hidden = device.hidden
+    if hidden is not None:  # the first token's hidden state, on the prompt's last chunk
+        hidden = _put_rows(hidden, _keep_hidden(_rows(hidden, slot), h[0], last_chunk[None]), slot)
     device = dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot),
-                                 sampling=_put_rows(device.sampling, row_state, slot))
+                                 sampling=_put_rows(device.sampling, row_state, slot), hidden=hidden)
     return device, (ids[0], lp[0], top_ids[0], top_lp[0])
 
 
@@ -114,19 +129,22 @@ def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last
     per row of `rows`."""
     sub = _gather(device, rows, kv_len)
     starts = jnp.full(num_new.shape, start, jnp.int32)
-    logits, cache = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
-                            kv_len=kv_len)
+    logits, cache, *h = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
+                                kv_len=kv_len, hidden=sub.hidden is not None)
     ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, (num_new > 0) & last_chunk)
-    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling), rows, kv_len), \
+    hidden = _keep_hidden(sub.hidden, h[0] if h else None, (num_new > 0) & last_chunk)
+    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling, hidden=hidden), rows, kv_len), \
         (ids, lp, top_ids, top_lp)
 
 
-def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant):
-    """forward of one new token per row: tokens, positions, active [B] -> (logits [B, V], cache).
+def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant,
+                  hidden: bool = False):
+    """forward of one new token per row: tokens, positions, active [B] -> (logits [B, V], cache) and,
+    with `hidden` (one device, not row-invariant: speculative decoding), the hidden states [B, H].
     `row_invariant`: row by row, each exactly the one-row computation (module docstring)."""
-    if not row_invariant or tokens.shape[0] == 1:
+    if hidden or not row_invariant or tokens.shape[0] == 1:
         return forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32), config=config,
-                       precision=precision, kv_len=kv_len)
+                       precision=precision, kv_len=kv_len, hidden=hidden)
     logits = []
     for b in range(tokens.shape[0]):
         row = (tokens[b : b + 1], positions[b : b + 1], active[b : b + 1])
@@ -141,29 +159,31 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
     return jnp.concatenate(logits, axis=0), cache
 
 
-def _advance(device: DeviceState, logits, want_logprobs, mask=None):
+def _advance(device: DeviceState, logits, want_logprobs, mask=None, hidden=None):
     """The sampling half of a decode step: logits [B, V] (of the forward half) -> the next token of
     every active row (remaining > 0); idle rows keep their token, position and sampling state. `mask`
     [B, ceil(V / 32)] i32: allowed tokens per row (constrained decoding; None: no mask work compiled
-    in). The cache is passed through untouched."""
+    in). The cache is passed through untouched; `hidden` [B, H]: the forward's hidden states, kept
+    for the active rows when the state keeps them."""
     active = device.remaining > 0
     ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active, mask)
     ids = jnp.where(active, ids, device.tokens)
     step = active.astype(jnp.int32)
     device = dataclasses.replace(device, sampling=sampling, tokens=ids, positions=device.positions + step,
-                                 remaining=device.remaining - step)
+                                 remaining=device.remaining - step,
+                                 hidden=device.hidden if hidden is None else _keep_hidden(device.hidden, hidden, active))
     return device, (ids, lp, top_ids, top_lp, active)
 
 
 def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
     """One decode step for every row of `device`: forward, then `_advance`. Rows with remaining == 0
     are idle: they write nothing and keep their token, position and sampling state."""
-    logits, cache = _forward_rows(params, device.cache, device.tokens, device.positions, device.remaining > 0,
-                                  config, precision, kv_len, row_invariant)
-    return _advance(dataclasses.replace(device, cache=cache), logits, want_logprobs)
+    logits, cache, *h = _forward_rows(params, device.cache, device.tokens, device.positions, device.remaining > 0,
+                                      config, precision, kv_len, row_invariant, device.hidden is not None)
+    return _advance(dataclasses.replace(device, cache=cache), logits, want_logprobs, hidden=h[0] if h else None)
 
 
-_ROW_FIELDS = ("sampling", "tokens", "positions", "remaining")  # per-slot state besides the cache
+_ROW_FIELDS = ("sampling", "tokens", "positions", "remaining", "hidden")  # per-slot state besides the cache
 
 
 def _gather(device: DeviceState, rows, kv_len=None, cache: bool = True) -> DeviceState:
@@ -213,11 +233,13 @@ def decode_forward(params, device: DeviceState, rows=None, *, config, precision,
     """The forward half of a decode step of every slot (`rows` None) or of the group `rows` [k]:
     returns (device with its cache written, logits [B or k, V] f32 of each row's next token)."""
     sub = device if rows is None else _gather(device, rows, kv_len)
-    logits, cache = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
-                                  precision, kv_len, row_invariant)
+    logits, cache, *h = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
+                                      precision, kv_len, row_invariant, sub.hidden is not None)
+    hidden = _keep_hidden(sub.hidden, h[0] if h else None, sub.remaining > 0)  # the token decode_sample draws
     if rows is None:
-        return dataclasses.replace(device, cache=cache), logits
-    return dataclasses.replace(device, cache=device.cache.scatter(rows, cache, kv_len)), logits
+        return dataclasses.replace(device, cache=cache, hidden=hidden), logits
+    return dataclasses.replace(device, cache=device.cache.scatter(rows, cache, kv_len),
+                               hidden=None if hidden is None else device.hidden.at[rows].set(hidden)), logits
 
 
 @functools.partial(jax.jit, donate_argnames=("device",))
@@ -251,8 +273,9 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     active = device.remaining > 0
     num_proposed = jnp.where(active, jnp.clip(num_proposed, 0, device.remaining - 1), 0)
     tokens = jnp.concatenate([device.tokens[:, None], proposals], axis=1)  # [B, k+1]
-    logits, cache = forward(params, device.cache, tokens, device.positions, jnp.where(active, num_proposed + 1, 0),
-                            config=config, precision=precision, logits="all", kv_len=kv_len)  # [B, k+1, V]
+    logits, cache, *h = forward(params, device.cache, tokens, device.positions,
+                                jnp.where(active, num_proposed + 1, 0), config=config, precision=precision,
+                                logits="all", kv_len=kv_len, hidden=device.hidden is not None)  # [B, k+1, V]
     first, lp, top_ids, top_lp, sampling = sample(logits[:, 0], device.sampling, want_logprobs, active)
     later = choose_ids(logits[:, 1:].reshape(B * k, -1), _later_steps(device.sampling, k)).reshape(B, k)
     drawn = jnp.concatenate([first[:, None], later], axis=1)  # [B, k+1]: the target's token after each input
@@ -270,8 +293,11 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     sampling = dataclasses.replace(
         sampling, step=sampling.step + accepted,
         output_counts=sampling.output_counts.at[jnp.arange(B)[:, None], drawn[:, 1:]].add(kept_later))
+    hidden = device.hidden
+    if hidden is not None:  # the hidden state after the last kept input, which drew the row's last token
+        hidden = _keep_hidden(hidden, jnp.take_along_axis(h[0], accepted[:, None, None], axis=1)[:, 0], active)
     device = DeviceState(cache=cache, sampling=sampling, tokens=jnp.where(active, last, device.tokens),
-                         positions=device.positions + emitted, remaining=device.remaining - emitted)
+                         positions=device.positions + emitted, remaining=device.remaining - emitted, hidden=hidden)
     return device, (drawn, accepted, lp, top_ids, top_lp, active)
 
 

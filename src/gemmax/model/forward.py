@@ -199,7 +199,11 @@ def _storage_dtype(table) -> Any:
 
 def lm_head(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Final norm, tied head (or a separate `lm_head` form of it), softcap -> float32 logits."""
-    h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    return head(params, rms_norm(h, params["final_norm"], config.rms_norm_eps), config)
+
+
+def head(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
+    """The head of final-normed hidden states: tied head (or its `lm_head` form), softcap -> float32."""
     logits = linear(h, params.get("lm_head", params["embed"])).astype(jnp.float32)
     logits = gather_vocab(logits)
     if config.final_logit_softcapping:
@@ -234,13 +238,16 @@ def forward(
     precision: Precision = Precision(),
     logits: Literal["last", "all"] = "last",
     kv_len: int | None = None,
-) -> tuple[jax.Array, KVCache]:
+    hidden: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Append tokens [B, T] (row b: its first num_new[b] are real, the rest padding) after start[b]
     cached tokens. `kv_len` (static) bounds the cache slots read (full layers, and sliding rings that
     have not wrapped yet), so attention costs what the context uses, not max_len: it must be at least
     every start[b], and for one-token steps (T = 1, written before attending) start[b] + 1.
     Returns (logits, new cache): logits [B, V] at each row's last real token (`logits="last"`; rows
-    with num_new 0 get garbage) or [B, T, V] (`"all"`)."""
+    with num_new 0 get garbage) or [B, T, V] (`"all"`). `hidden` (static): also return the last
+    hidden state after the final norm, [B, H] or [B, T, H] like the logits (what an MTP assistant
+    reads: gemmax.model.assistant)."""
     B, T = tokens.shape
     t = jnp.arange(T)[None, :]
     new_pos = start[:, None] + t
@@ -274,9 +281,12 @@ def forward(
     if logits == "last":
         if h.shape[1] > 1:
             h = jnp.take_along_axis(h, last[:, :, None], axis=1)
-        return lm_head(params, h[:, 0], config), KVCache(tuple(new_cache))
-    return lm_head(params, h, config), KVCache(tuple(new_cache))
+        h = h[:, 0]
+    normed = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    if hidden:
+        return head(params, normed, config), KVCache(tuple(new_cache)), normed
+    return head(params, normed, config), KVCache(tuple(new_cache))
 
 
 # The jitted forward for callers that do not wrap it in a larger jitted function.
-forward_jit = jax.jit(forward, static_argnames=("config", "precision", "logits", "kv_len"))
+forward_jit = jax.jit(forward, static_argnames=("config", "precision", "logits", "kv_len", "hidden"))

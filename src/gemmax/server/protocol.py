@@ -69,7 +69,7 @@ class SamplingFields(_Lenient):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM extra: exactly one of json, regex, choice, grammar
     cache_salt: str | None = None  # vLLM extra: only requests with the same salt share cached prompt KV
-    speculative: dict[str, Any] | None = None  # gemmax extra: {"method": "ngram" | "off", "k": 2 | 4 | 8}
+    speculative: dict[str, Any] | None = None  # gemmax extra: {"method": "ngram" | "draft" | "mtp" | "off", "k": 2 | 4 | 8}
     _constraint: dict[str, str] | None = PrivateAttr(default=None)
 
     @field_validator("stop")
