@@ -454,10 +454,8 @@ class BatchEngine:
             self._throwaway_requests(self.shapes.buckets[:1])
             self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
             self._throwaway_group()
-            if self.drafter is not None:
-                self._warm_up_draft()
-            if self.mtp is not None:
-                self._warm_up_mtp()
+            if self.drafter is not None or self.mtp is not None:
+                self._warm_up_drafter()
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
@@ -494,26 +492,27 @@ class BatchEngine:
                                                              kv_len)) for k in self.spec_ks]
         return calls
 
-    def _warm_up_draft(self) -> None:
-        """The draft model's shapes, run once each (its steps are jitted, not ahead of time): its
-        prefill per (bucket, KV bound) with a 1-token dummy chunk, then per decode group, k and KV
-        bound its proposal step and the target's verify step with q (all rows idle: nothing is kept)."""
-        for (bucket, _), start in self.shapes.prefill_shapes().items():
-            self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1)
+    def _warm_up_drafter(self) -> None:
+        """The drafter's shapes, run once each (its steps are jitted, not ahead of time): a draft
+        model's prefill per (bucket, KV bound) with a 1-token dummy chunk, then per decode group, k
+        and KV bound the proposal step (`_drafted`) and the target's verify step with q (all rows
+        idle: nothing is kept)."""
+        if self.drafter is not None:
+            for (bucket, _), start in self.shapes.prefill_shapes().items():
+                self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1)
         for size, kv_len in self.shapes.decode_shapes:
             for k in self.spec_ks:
                 rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
-                proposals, q = self.drafter.propose(rows, {}, self.device.sampling, table, k, kv_len)
+                proposals, q = self._drafted(rows, {}, table, k, kv_len)
                 self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
 
-    def _warm_up_mtp(self) -> None:
-        """The MTP assistant's proposal step per decode group, k and KV bound, then the target's
-        verify step with q (all rows idle: nothing is kept)."""
-        for size, kv_len in self.shapes.decode_shapes:
-            for k in self.spec_ks:
-                rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
-                proposals, q = self.mtp.propose(self.params, self.device, rows, {}, table, k, kv_len)
-                self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
+    def _drafted(self, rows: np.ndarray, drafting: dict[int, np.ndarray], table: np.ndarray, k: int, kv_len: int):
+        """(proposals [g, k], q [g, k, V]) on the device from the engine's drafter, the draft model or
+        the MTP assistant, for the rows j in `drafting` ({j: context}) of the group `rows`; the other
+        rows' proposals are `table`'s."""
+        if self.mtp is not None:
+            return self.mtp.propose(self.params, self.device, rows, drafting, table, k, kv_len)
+        return self.drafter.propose(rows, drafting, self.device.sampling, table, k, kv_len)
 
     @_replayed
     def _compile_declared(self) -> int:
@@ -1038,10 +1037,8 @@ class BatchEngine:
             out = self._dispatch_verify(rows, table, counts, kv_len)
         else:  # one verify shape per (group, k, kv_len) with or without draft rows: q unused when none drafts
             drafted = np.isin(np.arange(len(slot_of)), list(drafting))
-            if drafting and self.mtp is not None:
-                table, q = self.mtp.propose(self.params, self.device, rows, drafting, table, k, kv_len)
-            elif drafting:
-                table, q = self.drafter.propose(rows, drafting, self.device.sampling, table, k, kv_len)
+            if drafting:
+                table, q = self._drafted(rows, drafting, table, k, kv_len)
             else:
                 q = jnp.zeros((len(slot_of), k, self.config.vocab_size), jnp.float32)
             out = self._dispatch_verify(rows, table, counts, kv_len, q, drafted)
