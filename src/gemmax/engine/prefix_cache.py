@@ -197,21 +197,34 @@ class PrefixCache:
 
     @property
     def load_sizes(self) -> tuple[int, ...]:
-        """Block counts of the load shapes (`load`): buckets capped so that padded hits fit the full
-        layers' rows."""
-        cap = self.max_len // self.block
-        return tuple(sorted({min(n, cap) for n in _sizes_up_to((self.max_len - 2) // self.block)}))
+        """Block counts of the load shapes: `_load_size` of every hit (at most (max_len - 2) // block
+        blocks: a hit leaves a prompt token to prefill)."""
+        return tuple(sorted({self._load_size(n) for n in _sizes_up_to((self.max_len - 2) // self.block)}))
+
+    def _load_size(self, blocks: int) -> int:
+        """The padded block count of a hit of `blocks` blocks: its bucket, capped so that the padded
+        blocks fit the full layers' rows."""
+        return min(_bucket(blocks), self.max_len // self.block)
+
+    def _store_args(self, cache: KVCache, slot: int, size: int, blocks=(), entries=(), sliding=()) -> tuple:
+        """`store_blocks`' arguments, its index arrays padded to `size` (entries out of range: skipped)."""
+        return (self.pool, cache, jnp.int32(slot), _padded(list(blocks), size, 0),
+                _padded(list(entries), size, self.capacity), _padded(list(sliding), size, self.capacity))
+
+    def _load_args(self, cache: KVCache, slot: int, size: int, entries=(), sliding_entries=(), count: int = 0) -> tuple:
+        """`load_blocks`' arguments, its entry arrays padded to `size` (padding: entry 0, past `count`)."""
+        return (cache, self.pool, jnp.int32(slot), _padded(list(entries), size, 0),
+                _padded(list(sliding_entries), size, 0), jnp.int32(count))
+
+    @property
+    def _statics(self) -> dict:
+        return {"config": self.config, "block": self.block}
 
     def declared_calls(self, cache: KVCache) -> list[tuple[str, tuple, dict]]:
-        """(step, args, statics) of every copy shape, built as `store` and `load` build their calls,
-        for `CompiledSteps.compile_all` at warm-up (nothing runs)."""
-        statics = {"config": self.config, "block": self.block}
-        slot = jnp.int32(0)
-        calls = [("store_blocks", (self.pool, cache, slot, _padded([], n, 0), _padded([], n, self.capacity),
-                                   _padded([], n, self.capacity)), statics) for n in self.store_sizes]
-        calls += [("load_blocks", (cache, self.pool, slot, _padded([], n, 0), _padded([], n, 0), jnp.int32(0)), statics)
-                  for n in self.load_sizes]
-        return calls
+        """(step, args, statics) of every copy shape, from the argument builders `store` and `load`
+        use, for `CompiledSteps.compile_all` at warm-up (nothing runs)."""
+        return ([("store_blocks", self._store_args(cache, 0, n), self._statics) for n in self.store_sizes]
+                + [("load_blocks", self._load_args(cache, 0, n), self._statics) for n in self.load_sizes])
 
     @property
     def ring(self) -> int | None:
@@ -266,11 +279,9 @@ class PrefixCache:
 
     def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
         """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
-        size = min(_bucket(hit.blocks), self.max_len // self.block)  # padded blocks fit the full layers' rows
         before = self.steps.load_blocks.size()
-        cache = self.steps.load_blocks(cache, self.pool, jnp.int32(slot), _padded(list(hit.entries), size, 0),
-                                       _padded(list(hit.sliding_entries), size, 0), jnp.int32(hit.blocks),
-                                       config=self.config, block=self.block)
+        cache = self.steps.load_blocks(*self._load_args(cache, slot, self._load_size(hit.blocks), hit.entries,
+                                                        hit.sliding_entries, hit.blocks), **self._statics)
         return cache, self.steps.load_blocks.size() != before
 
     # -------------------------------------------------------------------------------------- store
@@ -314,10 +325,7 @@ class PrefixCache:
                 self._entries.move_to_end(key)
         if not blocks:
             return False
-        size = _bucket(len(blocks))
         before = self.steps.store_blocks.size()
-        self.pool = self.steps.store_blocks(self.pool, cache, jnp.int32(slot), _padded(blocks, size, 0),
-                                            _padded(entries, size, self.capacity),
-                                            _padded(sliding, size, self.capacity), config=self.config,
-                                            block=self.block)
+        self.pool = self.steps.store_blocks(*self._store_args(cache, slot, _bucket(len(blocks)), blocks, entries,
+                                                              sliding), **self._statics)
         return self.steps.store_blocks.size() != before
