@@ -47,6 +47,33 @@ def test_full_prompt_logits_match_transformers(hf_checkpoints, name):
     assert diff <= TOL, f"{name}: max |logit diff| {diff:.2e} > {TOL}"
 
 
+@pytest.mark.parametrize("name", ["g4_shared", "g3_small"])
+def test_long_chunks_attend_in_query_blocks_as_transformers(hf_checkpoints, name):
+    """Chunks longer than QUERY_BLOCK take the blocked path (each query block reads only the chunk
+    keys it can see, from its window's start to its end, beside the cached keys): a first chunk with
+    nothing cached and a second after it, one row ending in padding inside the second chunk, KV
+    sharing on g4_shared. Logits at every real position
+    equal transformers' on each prompt alone."""
+    from gemmax.model.forward import QUERY_BLOCK
+
+    ck, model = _load(hf_checkpoints, name)
+    chunk = 2 * QUERY_BLOCK
+    lengths = [2 * chunk, chunk + 44]
+    ids = np.random.default_rng(7).integers(3, ck.config.vocab_size, (2, 2 * chunk))
+    cache = init_cache(ck.config, 2, 2 * chunk)
+    got = []
+    for c in range(2):
+        num_new = np.clip(np.asarray(lengths) - c * chunk, 0, chunk)
+        logits, cache = forward(ck.params, cache, jnp.asarray(ids[:, c * chunk : (c + 1) * chunk], jnp.int32),
+                                jnp.full(2, c * chunk, jnp.int32), jnp.asarray(num_new, jnp.int32),
+                                config=ck.config, logits="all")
+        got.append(np.asarray(logits))
+    got = np.concatenate(got, axis=1)
+    for row, n in enumerate(lengths):
+        diff = np.abs(got[row, :n] - _hf_logits(model, ids[row : row + 1, :n])[0]).max()
+        assert diff <= TOL, f"{name} row {row}: max |logit diff| {diff:.2e} > {TOL}"
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_incremental_decode_matches_full_forward(hf_checkpoints, name):
     """Prefill 5 tokens, then 40 single-token steps (crossing the ring several times) vs one full pass."""

@@ -53,14 +53,23 @@ def rope_inv_freq(config: ModelConfig, spec: LayerSpec) -> np.ndarray:
     return (inv / rope.factor).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Half-split (NeoX) rotation. x [B, T, n, d], positions [B, T]; cos/sin in fp32, applied in x.dtype."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, d] in fp32 for positions [B, T] (half-split layout: each frequency twice)."""
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, d/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, d]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Half-split (NeoX) rotation of x [B, T, n, d] by `rope_tables`, applied in x.dtype."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [B, T, n, d] rotated for positions [B, T]."""
+    return rotate(x, *rope_tables(positions, inv_freq))
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, k_valid: jax.Array, window: int | None) -> jax.Array:
@@ -84,6 +93,54 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
     return out.reshape(B, T, nh, hd)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """Keys and values a query may attend, with each one's absolute position."""
+
+    k: jax.Array  # [B, S, nkv, hd]
+    v: jax.Array  # [B, S, nkv, hd]
+    key_pos: jax.Array  # [B, S]
+    key_valid: jax.Array  # [B, S] holds a real position
+
+    def slice(self, lo: int, hi: int) -> Keys:
+        return Keys(self.k[:, lo:hi], self.v[:, lo:hi], self.key_pos[:, lo:hi], self.key_valid[:, lo:hi])
+
+
+QUERY_BLOCK = 128  # chunk queries per block of `attend_chunk` (each reads only the chunk keys it can see)
+
+
+def _join(a: Keys, b: Keys) -> Keys:
+    return Keys(*(jnp.concatenate([x, y], axis=1) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b),
+                                                                   strict=True)))
+
+
+def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys, own: Keys, window: int | None,
+                 scale: float) -> jax.Array:
+    """Attention of a chunk's queries q [B, Tq, nh, hd] (positions q_pos [B, Tq]) over the cached
+    keys read before the chunk wrote them (`past`) and the chunk's own keys `own` [B, T, ...]: per
+    query, `attend`'s softmax over every key it can see, so every path (decode, prefill, verify) sums
+    the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple
+    of QUERY_BLOCK above it), query block i reads only the own keys from its window's start to its
+    end: a 512-token chunk computes 10 of the 16 128 x 128 own-key score blocks, with no extra
+    compiled shape. (Skipping an empty past at run time with `lax.cond` was tried and dropped: in the
+    engine's donated steps it changed verify results on sliding rings, as if the conditional read a
+    ring after the chunk's writes.)"""
+    Tq = q.shape[1]
+    blocked = Tq == own.k.shape[1] and Tq > QUERY_BLOCK and Tq % QUERY_BLOCK == 0
+    if not blocked:
+        keys = _join(past, own)
+        return attend(q, keys.k, keys.v, _visible(q_pos, keys.key_pos, keys.key_valid, window), scale)
+    outs = []
+    for lo in range(0, Tq, QUERY_BLOCK):
+        hi = lo + QUERY_BLOCK
+        first = 0 if window is None else max(0, lo - window + 1)  # keys before it are out of every query's window
+        keys = _join(past, own.slice(first, hi))
+        outs.append(attend(q[:, lo:hi], keys.k, keys.v, _visible(q_pos[:, lo:hi], keys.key_pos, keys.key_valid,
+                                                                  window), scale))
+    return jnp.concatenate(outs, axis=1)
+
+
 # --------------------------------------------------------------------------------------------- forward
 
 
@@ -96,6 +153,21 @@ class _Batch:
     new_valid: jax.Array  # [B, T] real (not padding) new tokens
     q_pos: jax.Array  # [B, Tq] positions of the queries still being computed
     kv_len: int | None = None  # static: attention reads only cache slots [0, kv_len) where kv_len < slots
+    tables: dict = dataclasses.field(default_factory=dict)  # rope_tables per (positions, frequencies)
+
+    def rope(self, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """`rope_tables`, computed once per forward for each positions array and frequency set (per
+        layer, the trigonometry was 5% of a 512-token prefill on CPU)."""
+        key = (id(positions), inv_freq.tobytes())
+        if positions.shape[1] == 1:  # decode: B values, nothing to share
+            return rope_tables(positions, inv_freq)
+        if key not in self.tables or self.tables[key][0] is not positions:
+            # Computed inside a conditional (both branches the same, so the predicate does not
+            # matter) that XLA cannot see through: it would otherwise fuse, and so recompute, the
+            # trigonometry into each consumer in every layer (XLA:CPU drops optimization barriers).
+            tables = jax.lax.cond(jnp.all(positions >= 0), rope_tables, rope_tables, positions, inv_freq)
+            self.tables[key] = (positions, *tables)
+        return self.tables[key][1:]
 
 
 def _attention(
@@ -105,7 +177,7 @@ def _attention(
     config: ModelConfig,
     batch: _Batch,
     cache_entry: LayerCache | None,
-    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array, jax.Array]],
+    shared: dict[int, tuple[Keys | None, Keys]],
     layer_index: int,
 ):
     """Returns (attention output [B, Tq, H], updated cache entry or None)."""
@@ -113,13 +185,13 @@ def _attention(
     nh, hd, nkv = config.num_attention_heads, spec.head_dim, spec.num_kv_heads
     inv_freq = rope_inv_freq(config, spec)
     q = linear(x, layer["q"]).reshape(B, Tq, nh, hd)
-    q = apply_rope(rms_norm(q, layer["q_norm"], config.rms_norm_eps), batch.q_pos, inv_freq)
+    q = rotate(rms_norm(q, layer["q_norm"], config.rms_norm_eps), *batch.rope(batch.q_pos, inv_freq))
 
     new_entry = None
     if spec.owns_kv:
         k_raw = linear(x, layer["k"]).reshape(B, Tq, nkv, hd)
         v = k_raw if spec.k_eq_v else linear(x, layer["v"]).reshape(B, Tq, nkv, hd)
-        k = apply_rope(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), batch.new_pos, inv_freq)
+        k = rotate(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), *batch.rope(batch.new_pos, inv_freq))
         if config.use_v_norm:
             v = rms_norm(v, None, config.rms_norm_eps)
         if Tq == 1:
@@ -130,21 +202,22 @@ def _attention(
             new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
             visible = new_entry.visible(batch.kv_len)
             key_pos, key_valid = slot_positions(batch.start + jnp.sum(batch.new_valid, axis=1), visible.slots)
-            keys, values = visible.read("k", k.dtype), visible.read("v", v.dtype)
+            past, own = None, Keys(visible.read("k", k.dtype), visible.read("v", v.dtype), key_pos, key_valid)
         else:  # a chunk can overwrite ring slots its own earlier queries still see: read, then write
             visible = cache_entry.visible(batch.kv_len)
-            cached_pos, cached_valid = slot_positions(batch.start, visible.slots)
-            keys = jnp.concatenate([visible.read("k", k.dtype), k], axis=1)  # [B, S+T, nkv, hd]
-            values = jnp.concatenate([visible.read("v", v.dtype), v], axis=1)
-            key_pos = jnp.concatenate([cached_pos, batch.new_pos], axis=1)
-            key_valid = jnp.concatenate([cached_valid, batch.new_valid], axis=1)
+            past = Keys(visible.read("k", k.dtype), visible.read("v", v.dtype),
+                        *slot_positions(batch.start, visible.slots))
+            own = Keys(k, v, batch.new_pos, batch.new_valid)
             new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
-        shared[layer_index] = (keys, values, key_pos, key_valid)
+        shared[layer_index] = (past, own)
     else:
-        keys, values, key_pos, key_valid = shared[spec.kv_donor]
+        past, own = shared[spec.kv_donor]
 
-    mask = _visible(batch.q_pos, key_pos, key_valid, spec.sliding_window)
-    out = attend(q, keys, values, mask, config.attention_scale)
+    if past is None:
+        mask = _visible(batch.q_pos, own.key_pos, own.key_valid, spec.sliding_window)
+        out = attend(q, own.k, own.v, mask, config.attention_scale)
+    else:
+        out = attend_chunk(q, batch.q_pos, past, own, spec.sliding_window, config.attention_scale)
     return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
 
 
