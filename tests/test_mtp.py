@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from gemmax.model.assistant import SharedKV, assistant_step
+from gemmax.model.assistant import assistant_step
+from gemmax.model.forward import Keys
 from gemmax.weights.assistant import load_assistant
 from hf_reference import FULL, ROPE4, SLIDING
 from tiny_checkpoint import VOCAB_SIZE, write_tiny_checkpoint
@@ -93,13 +94,13 @@ def mtp_files(tmp_path_factory):
             "assistant_ordered": (root / "assistant_ordered", ordered)}
 
 
-def _shared_from_hf(shared_kv_states, length: int) -> dict[str, SharedKV]:
-    """HF's {type: (k, v) [B, nkv, S, hd]} (S = length positions from 0) -> gemmax's SharedKV."""
+def _shared_from_hf(shared_kv_states, length: int) -> dict[str, Keys]:
+    """HF's {type: (k, v) [B, nkv, S, hd]} (S = length positions from 0) -> gemmax's Keys."""
     out = {}
     for layer_type, (k, v) in shared_kv_states.items():
         k, v = (jnp.asarray(t[:, :, :length].transpose(1, 2).numpy()) for t in (k, v))
         pos = jnp.broadcast_to(jnp.arange(k.shape[1])[None], k.shape[:2])
-        out[layer_type] = SharedKV(k=k, v=v, key_pos=pos, key_valid=jnp.ones(k.shape[:2], bool))
+        out[layer_type] = Keys(k=k, v=v, key_pos=pos, key_valid=jnp.ones(k.shape[:2], bool))
     return out
 
 
@@ -271,12 +272,18 @@ def _prompts(n, seed=0):
     return [tuple(int(t) for t in rng.integers(3, VOCAB_SIZE, length)) for length in rng.integers(5, 40, n)]
 
 
-def _from_scratch(target, assistant, context, k):
-    """The MTP proposals for a row whose context (prompt + output, ending with the next input) was
-    prefilled afresh into an empty one-slot state: what the engine's must equal, whatever the
-    batching, rollbacks and plain-decoding pauses before."""
-    from gemmax.engine.mtp import mtp_propose_rows
+NEAR_TIE = 1e-4  # logit gap under which two float32 paths may rank two tokens either way
+
+
+def _from_scratch_logits(target, assistant, context, proposals):
+    """The assistant's logits [k, V] for a row whose context (prompt + output, ending with the next
+    input) was prefilled afresh into an empty one-slot state, drafting step j fed the engine's
+    proposal j - 1: what the engine's greedy proposals must be the argmax of, whatever the batching,
+    rollbacks and plain-decoding pauses before (up to float32 near-ties: the engine's K/V were
+    written by decode and verify steps, these by one prefill)."""
+    from gemmax.engine.mtp import shared_kv
     from gemmax.engine.steps import init_device_state, prefill_step
+    from gemmax.model.forward import embed
 
     config, params, precision = target.checkpoint.config, target.checkpoint.params, target.policy.precision()
     n = len(context) - 1
@@ -286,10 +293,26 @@ def _from_scratch(target, assistant, context, k):
     device, _ = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(n),
                              jnp.bool_(True), jnp.bool_(False), config=config, precision=precision)
     device = device.with_slot(0, token=int(context[n]), position=n, remaining=1)
-    proposals, _ = mtp_propose_rows(params, assistant.params, device, jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
-                                    jnp.zeros((1, k), jnp.int32), k=k, config=config, assistant_config=assistant.config,
-                                    precision=precision)
-    return tuple(int(t) for t in np.asarray(proposals)[0])
+    rows = jnp.zeros(1, jnp.int32)
+    shared = shared_kv(device, rows, config, precision.activation, None)
+    token, hidden, out = device.tokens[rows], device.hidden[rows].astype(precision.activation), []
+    for proposal in proposals:
+        logits, hidden = assistant_step(assistant.params, assistant.config,
+                                        embed(params, token[:, None], config, precision.activation)[:, 0],
+                                        hidden, device.positions[rows], shared)
+        hidden = hidden.astype(precision.activation)
+        out.append(np.asarray(logits)[0])
+        token = jnp.asarray([proposal], jnp.int32)
+    return np.stack(out)
+
+
+def _check_proposals(target, assistant, context, proposals) -> float:
+    """Asserts each proposal is the fresh argmax or within NEAR_TIE of it; returns the largest gap."""
+    logits = _from_scratch_logits(target, assistant, context, proposals)
+    gaps = [float(row.max() - row[p]) for row, p in zip(logits, proposals, strict=True)]
+    assert max(gaps) <= NEAR_TIE, (f"context of {len(context)} tokens: proposals {proposals}, fresh argmax "
+                                   f"{tuple(int(t) for t in logits.argmax(-1))}, logit gaps {gaps}")
+    return max(gaps)
 
 
 def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatch):
@@ -299,8 +322,9 @@ def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatc
     pseudo-random place (a random assistant is almost never right: this makes verify steps keep every
     length from 0 to k). Every proposal the engine's assistant drafted, in both runs (after
     prefills, verify steps of any kept length, plain-decoding pauses, in groups of any row mix),
-    equals the one drafted afresh from the same context: the hidden state and K/V the engine keeps
-    for it are the right ones."""
+    is the argmax of the assistant run afresh from the same context (within a float32 near-tie, as
+    the K/V were written by other steps): the hidden state and K/V the engine keeps for it are the
+    right ones."""
     from gemmax.engine.api import GenerationRequest
     from gemmax.engine.mtp import MtpProposer
 
@@ -350,9 +374,9 @@ def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatc
             assert {0, 2, 4} <= set(kept), kept
         assert len(seen) >= 10
         assistant = mtp_engine.mtp.assistant
-        for context, k, proposals in seen[:: max(1, len(seen) // 12)]:
-            assert proposals == _from_scratch(target, assistant, context, k), \
-                f"context of {len(context)} tokens, k={k}, oracle {oracle}"
+        gaps = [_check_proposals(target, assistant, context, proposals)
+                for context, _, proposals in seen[:: max(1, len(seen) // 12)]]
+        print(f"oracle {oracle}: largest gap {max(gaps):.2e}")
 
 
 def test_seeded_sampled_mtp_repeats_itself(mtp_engine):

@@ -38,13 +38,12 @@ from jax import lax
 from gemmax.engine.draft import draw_proposal, light_rows
 from gemmax.model.assistant import (
     AssistantConfig,
-    SharedKV,
     assistant_step,
     check_assistant,
     target_kv_donors,
 )
 from gemmax.model.config import ModelConfig
-from gemmax.model.forward import Precision, embed
+from gemmax.model.forward import Keys, Precision, embed
 from gemmax.model.kv_cache import slot_positions
 
 
@@ -60,7 +59,7 @@ def check_mtp(target, assistant) -> None:
         raise AssistantMismatch(f"MTP assistant {assistant.name} cannot draft for {target.name}: " + "; ".join(problems))
 
 
-def shared_kv(device, rows, config: ModelConfig, dtype, kv_len: int | None) -> dict[str, SharedKV]:
+def shared_kv(device, rows, config: ModelConfig, dtype, kv_len: int | None) -> dict[str, Keys]:
     """The target's K/V the assistant reads, for the rows `rows` [g] of the device state: each donor
     layer's first kv_len slots (`LayerCache.visible`), with the positions they hold."""
     positions = device.positions[rows]
@@ -68,8 +67,8 @@ def shared_kv(device, rows, config: ModelConfig, dtype, kv_len: int | None) -> d
     for layer_type, index in target_kv_donors(config).items():
         layer = jax.tree.map(lambda a: a[rows], device.cache.layers[index].visible(kv_len))
         key_pos, key_valid = slot_positions(positions, layer.slots)
-        out[layer_type] = SharedKV(k=layer.read("k", dtype), v=layer.read("v", dtype), key_pos=key_pos,
-                                   key_valid=key_valid)
+        out[layer_type] = Keys(k=layer.read("k", dtype), v=layer.read("v", dtype), key_pos=key_pos,
+                               key_valid=key_valid)
     return out
 
 

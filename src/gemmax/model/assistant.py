@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gemmax.model.config import ConfigError, LayerSpec, ModelConfig
-from gemmax.model.forward import apply_rope, attend, rope_inv_freq
+from gemmax.model.forward import Keys, apply_rope, attend, rope_inv_freq
 from gemmax.model.linear import linear, lookup
 from gemmax.model.ops import gelu_tanh, rms_norm
 from gemmax.model.params import Params, ParamSpec, param_specs
@@ -132,18 +132,8 @@ def check_assistant(target: ModelConfig, config: AssistantConfig) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ forward
-@dataclasses.dataclass(frozen=True)
-class SharedKV:
-    """The target's K/V one assistant layer type reads, with each slot's absolute position."""
-
-    k: jax.Array  # [B, S, nkv, hd]
-    v: jax.Array  # [B, S, nkv, hd]
-    key_pos: jax.Array  # [B, S] absolute position of each slot
-    key_valid: jax.Array  # [B, S] the slot holds a position
-
-
 def _layer(layer: Params, x: jax.Array, spec: LayerSpec, config: ModelConfig, position: jax.Array,
-           kv: SharedKV) -> jax.Array:
+           kv: Keys) -> jax.Array:
     """One assistant decoder layer for one query per row: x [B, 1, H] -> [B, 1, H]."""
     eps = config.rms_norm_eps
     B = x.shape[0]
@@ -181,7 +171,7 @@ def masked_logits(params: Params, n: jax.Array, config: AssistantConfig) -> jax.
 
 
 def assistant_step(params: Params, config: AssistantConfig, token_embeds: jax.Array, hidden: jax.Array,
-                   position: jax.Array, shared: Mapping[str, SharedKV]) -> tuple[jax.Array, jax.Array]:
+                   position: jax.Array, shared: Mapping[str, Keys]) -> tuple[jax.Array, jax.Array]:
     """One drafting step (module docstring): token_embeds [B, Hb] (the target's scaled embedding of
     the last seen token), hidden [B, Hb], position [B] (the last seen token's), shared {layer type:
     the target's K/V}. Returns (logits [B, V] f32, the next step's hidden [B, Hb])."""
