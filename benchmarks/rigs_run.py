@@ -15,7 +15,9 @@ built-in tokenizer beside it so every rig counts and detokenizes the same ids). 
 3. the sweep: inputs 41 / 521 / 2057 tokens at concurrency 1 (`--repeats` measured requests after a
    warm-up request) and at concurrency 8 (`--repeats-batched` measured rounds of 8 after a warm-up
    round), 64 forced output tokens (ignore_eos + min_tokens), greedy;
-4. stop it.
+4. the same at `--sampled-input-lens` for each `--sampling` setting (the result's `sampled` list),
+   so sampled decode is measured beside greedy in the same server process;
+5. stop it.
 
 Rigs run one at a time, so they never share the CPU with each other. Writes
 `results/rigs-<model>-<rig>.json` (the sweep result plus a `rig` entry: command, dtype, startup,
@@ -47,7 +49,7 @@ import httpx
 from gemmax.bench.compare import compare_runs, to_markdown, to_rich
 from gemmax.bench.plots import plot_runs
 from gemmax.bench.report import print_run, wide_console, write_json
-from gemmax.bench.sweep import SweepConfig, run_sweep
+from gemmax.bench.sweep import SweepConfig, parse_sampling, run_sweep, sampling_name
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
 
@@ -55,6 +57,7 @@ HERE = Path(__file__).parent
 CHECK_PROMPT = "The capital of France is"
 CHECK_TOKENS = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+SAMPLINGS = ("temperature=1.0", "temperature=0.7,top_p=0.9", "temperature=1.0,top_k=40", "temperature=1.0,min_p=0.05")
 MODELS = {"builtin": "Gemma 3 270M (the built-in model, Q4_K_M GGUF dequantised)",
           "e2b6": "Gemma 4 E2B-shaped, 6 layers, random weights (seed 0)"}
 
@@ -166,21 +169,12 @@ def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, refer
                     "quality": quality}
             if quality["judged_degenerate"]:
                 return {"label": name, "rig": info, "cells": [], "not_timed": "degenerate output"}
-            result = None
-            for concurrency, repeats in ((1, args.repeats), (8, args.repeats_batched)):
-                if concurrency not in args.concurrency:
-                    continue
-                config = SweepConfig(base_url=url, input_lens=args.input_lens, output_len=args.output_len,
-                                     repeats=repeats, concurrency=(concurrency,), label=name,
-                                     decode_source="stream")
-                part = run_sweep(config)
-                if result is None:
-                    result = part
-                else:
-                    result["cells"] += part["cells"]
-                    result["finished"] = part["finished"]
-                    result["server"]["health_after"] = part["server"]["health_after"]
-                print(f"[{model}/{name}] c={concurrency} done", file=sys.stderr)
+            result = sweep_levels(url, name, args, args.input_lens, ())
+            result["sampled"] = []
+            for sampling in args.sampling:
+                part = sweep_levels(url, name, args, args.sampled_input_lens, sampling)
+                result["sampled"].append({"sampling": sampling_name(sampling), "cells": part["cells"]})
+                print(f"[{model}/{name}] {sampling_name(sampling)} done", file=sys.stderr)
             result["rig"] = info
             return result
         finally:
@@ -190,6 +184,46 @@ def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, refer
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def sweep_levels(url: str, name: str, args: argparse.Namespace, input_lens: tuple[int, ...], sampling) -> dict:
+    """One sweep result over the concurrency levels (each with its own repeats) at these inputs."""
+    result = None
+    for concurrency, repeats in ((1, args.repeats), (8, args.repeats_batched)):
+        if concurrency not in args.concurrency:
+            continue
+        config = SweepConfig(base_url=url, input_lens=input_lens, output_len=args.output_len, repeats=repeats,
+                             concurrency=(concurrency,), label=name, decode_source="stream", sampling=sampling)
+        part = run_sweep(config)
+        if result is None:
+            result = part
+        else:
+            result["cells"] += part["cells"]
+            result["finished"] = part["finished"]
+            result["server"]["health_after"] = part["server"]["health_after"]
+        print(f"[{name}] {sampling_name(sampling)} c={concurrency} done", file=sys.stderr)
+    return result
+
+
+def sampled_table(runs: list[dict]) -> list[str]:
+    """Markdown: per rig and sampling setting, wire decode tok/s at c=1 and output tok/s at c=8, each
+    with its ratio to the same rig's greedy cell at the same input length."""
+    lines = ["| rig | sampling | input | c=1 decode tok/s | / greedy | c=8 output tok/s | / greedy |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        greedy = {(c["input_len"], c["concurrency"]): c for c in run["cells"]}
+        for part in run.get("sampled", []):
+            for input_len in sorted({c["input_len"] for c in part["cells"]}):
+                cells = {c["concurrency"]: c for c in part["cells"] if c["input_len"] == input_len}
+                row = [run["label"], part["sampling"], str(input_len)]
+                for concurrency, figure in ((1, lambda c: (c["stream"] or {}).get("median")),
+                                            (8, lambda c: c["output_throughput"])):
+                    cell, base = cells.get(concurrency), greedy.get((input_len, concurrency))
+                    value = figure(cell) if cell else None
+                    ref = figure(base) if base else None
+                    row += [f"{value:.1f}" if value else "", f"{value / ref:.2f}" if value and ref else ""]
+                lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def load(path: Path) -> dict | None:
@@ -223,6 +257,9 @@ def report(models: list[str], rigs: list[str], args: argparse.Namespace, header:
             comparison = compare_runs(timed)
             lines.append(to_markdown(comparison))
             wide_console().print(to_rich(comparison, title=f"{model}: {MODELS[model]}"))
+        if any(r.get("sampled") for r in timed):
+            lines += ["Sampled decode against greedy (same server process, same harness):", "",
+                      *sampled_table(timed), ""]
         if timed:
             plot = plot_runs(timed, args.out_dir / f"rigs-{model}.png")
             lines += ["", f"Plot: `results/{plot.name}`; result files `results/rigs-{model}-<rig>.json`.", ""]
@@ -239,6 +276,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=ints, default=(1, 8))
     parser.add_argument("--repeats", type=int, default=4, help="measured requests per cell at concurrency 1")
     parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds of 8 at concurrency 8")
+    parser.add_argument("--sampling", type=lambda text: tuple(parse_sampling(t) for t in text.split(";") if t.strip()),
+                        default=tuple(parse_sampling(t) for t in SAMPLINGS),
+                        help="';'-separated sampling settings measured after greedy (name=value,...); '' for none")
+    parser.add_argument("--sampled-input-lens", type=ints, default=(41,))
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")

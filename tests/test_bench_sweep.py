@@ -12,7 +12,7 @@ import pytest
 from bench_fake_server import FakeServer, Script, train_tokenizer
 from gemmax.bench.metrics import tick_of
 from gemmax.bench.prompts import FIRST_ID, NONCE_IDS
-from gemmax.bench.sweep import Sweep, SweepConfig
+from gemmax.bench.sweep import Sweep, SweepConfig, parse_sampling
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,23 @@ async def test_output_forcing_falls_back_and_lengths_are_checked():
     (cell,) = result["cells"]
     assert cell["output_len_verified"] is False
     assert any("output length not held" in flag for flag in cell["flags"])
+
+
+async def test_sampling_settings_reach_every_request_and_the_result():
+    greedy_server = FakeServer(Script(ttft=0.005, itl=0.002))
+    greedy = await sweep(greedy_server, input_lens=(8,), output_len=4, repeats=1)
+    assert greedy["sampling"] == "greedy" and all(s.body["temperature"] == 0.0 for s in greedy_server.served)
+
+    settings = parse_sampling("temperature=0.7,top_p=0.9,top_k=40")
+    assert settings == (("temperature", 0.7), ("top_p", 0.9), ("top_k", 40))
+    server = FakeServer(Script(ttft=0.005, itl=0.002))
+    result = await sweep(server, input_lens=(8,), output_len=4, repeats=1, sampling=settings)
+    assert result["sampling"] == "temperature=0.7,top_p=0.9,top_k=40"
+    assert server.served and all((s.body["temperature"], s.body["top_p"], s.body["top_k"]) == (0.7, 0.9, 40)
+                                 for s in server.served)
+    for bad in ("temperature", "seed=3", "top_k=0.5"):
+        with pytest.raises(ValueError, match="sampling"):
+            parse_sampling(bad)
 
 
 async def test_health_precision_and_degenerate_counter_before_and_after():

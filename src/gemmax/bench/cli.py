@@ -43,6 +43,8 @@ def bench(
     api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="bearer token"),
     price_per_hour: float = typer.Option(None, help="machine price in $/hour: adds $ per million output tokens"),
     seed: int = typer.Option(0),
+    sampling: str = typer.Option("greedy", help="greedy, or name=value pairs of temperature, top_p, top_k, "
+                                 "min_p sent with every request, e.g. temperature=0.7,top_p=0.9"),
     out: Path = typer.Option(None, help="write the full result JSON here"),
     plot: Path = typer.Option(None, help="write a PNG of decode tok/s and TTFT against input length"),
 ) -> None:
@@ -55,7 +57,7 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gemmax.bench.report import print_run, summary_line, write_json
-    from gemmax.bench.sweep import SweepConfig, run_sweep
+    from gemmax.bench.sweep import SweepConfig, parse_sampling, run_sweep
 
     try:
         config = SweepConfig(
@@ -64,7 +66,7 @@ def bench(
             request_rates=_floats(request_rate, "--request-rate") if request_rate else (),
             num_prompts=num_prompts, decode_source=decode_source, prompt_mode=prompt_mode,
             tokenizer=tokenizer, vocab_size=vocab_size, label=label, api_key=api_key,
-            price_per_hour=price_per_hour, seed=seed)
+            price_per_hour=price_per_hour, seed=seed, sampling=parse_sampling(sampling))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     console = Console(stderr=True)

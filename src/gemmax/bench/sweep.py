@@ -5,7 +5,9 @@ Per cell: build all prompts first (exact token counts, unique nonces; no tokeniz
 requests are timed), run one warm-up round at the exact measured shape (same input length, output
 length and load level; recorded under `warmup`, never averaged in), then `repeats` measured rounds.
 A round is `concurrency` requests sent together, or in request-rate mode `num_prompts` requests with
-seeded Poisson arrivals at `request_rate` req/s. Requests go to `/v1/completions` at temperature 0.
+seeded Poisson arrivals at `request_rate` req/s. Requests go to `/v1/completions`, greedy (temperature
+0) unless `sampling` sets temperature / top_p / top_k / min_p (`parse_sampling`): the sampled
+decode rate is a claim apart from the greedy one, since a runtime can sample far slower than argmax.
 Output length is forced with `ignore_eos` and `min_tokens` (vLLM extensions, sent with
 `return_token_ids`) where the server accepts them, and checked against returned usage.
 
@@ -38,6 +40,28 @@ SCHEMA = "gemmax-bench/1"
 DEGENERATE_COUNTER = "gemmax:degenerate_responses_total"
 DECODE_SOURCES = ("auto", "stream", "gauge", "both")
 PROBE_OUTPUT = 8
+SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+
+
+def parse_sampling(text: str) -> tuple[tuple[str, float | int], ...]:
+    """"temperature=0.7,top_p=0.9" -> (("temperature", 0.7), ("top_p", 0.9)); "" or "greedy" -> ()."""
+    if text.strip() in ("", "greedy"):
+        return ()
+    fields = []
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in SAMPLING_FIELDS:
+            raise ValueError(f"sampling is name=value pairs of {', '.join(SAMPLING_FIELDS)}, got {item!r}")
+        try:
+            fields.append((name, SAMPLING_FIELDS[name](value)))
+        except ValueError as exc:
+            raise ValueError(f"sampling {name} must be a {SAMPLING_FIELDS[name].__name__}, got {value!r}") from exc
+    return tuple(fields)
+
+
+def sampling_name(sampling: tuple[tuple[str, float | int], ...]) -> str:
+    return ",".join(f"{name}={value}" for name, value in sampling) or "greedy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +83,16 @@ class SweepConfig:
     price_per_hour: float | None = None
     seed: int = 0
     timeout_s: float = 1800.0
+    sampling: tuple[tuple[str, float | int], ...] = ()  # `parse_sampling`; () = greedy
 
     def __post_init__(self):
         if self.decode_source not in DECODE_SOURCES:
             raise ValueError(f"decode source must be one of {DECODE_SOURCES}, got {self.decode_source!r}")
         if not self.input_lens or min(self.input_lens) < 1:
             raise ValueError(f"input lengths must be >= 1, got {self.input_lens}")
+        unknown = [name for name, _ in self.sampling if name not in SAMPLING_FIELDS]
+        if unknown:
+            raise ValueError(f"unknown sampling fields {unknown}; known: {', '.join(SAMPLING_FIELDS)}")
         if self.output_len < 1 or self.repeats < 1:
             raise ValueError("output length and repeats must be >= 1")
         if self.request_rates:
@@ -129,7 +157,7 @@ class Sweep:
     def _payload(self, prompt: str | list[int], output_len: int) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True},
+            "stream": True, "stream_options": {"include_usage": True}, **dict(self.config.sampling),
         }
         if self.forced:  # vLLM extensions: a fixed output length, and token ids in every chunk so a
             # chunk whose text is held back (partial UTF-8, no tokenizer) still counts as a token
@@ -224,6 +252,7 @@ class Sweep:
             "config": {k: (str(v) if isinstance(v, Path) else v)
                        for k, v in dataclasses.asdict(cfg).items() if k != "api_key"},
             "decode_source": source,
+            "sampling": sampling_name(cfg.sampling),
             "prompt_mode": self.prompts.mode,
             "forced_output": self.forced,
             "server": {
