@@ -115,10 +115,11 @@ def _join(a: Keys, b: Keys) -> Keys:
                                                                    strict=True)))
 
 
-def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys, own: Keys, window: int | None,
+def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys | None, own: Keys, window: int | None,
                  scale: float) -> jax.Array:
     """Attention of a chunk's queries q [B, Tq, nh, hd] (positions q_pos [B, Tq]) over the cached
-    keys read before the chunk wrote them (`past`) and the chunk's own keys `own` [B, T, ...]: per
+    keys read before the chunk wrote them (`past`; None for a decode step, whose `own` is the cache
+    read after its write) and the chunk's own keys `own` [B, T, ...]: per
     query, `attend`'s softmax over every key it can see, so every path (decode, prefill, verify) sums
     the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple
     of QUERY_BLOCK above it), query block i reads only the own keys from its window's start to its
@@ -129,7 +130,7 @@ def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys, own: Keys, window: 
     Tq = q.shape[1]
     blocked = Tq == own.k.shape[1] and Tq > QUERY_BLOCK and Tq % QUERY_BLOCK == 0
     if not blocked:
-        keys = _join(past, own)
+        keys = own if past is None else _join(past, own)
         return attend(q, keys.k, keys.v, _visible(q_pos, keys.key_pos, keys.key_valid, window), scale)
     outs = []
     for lo in range(0, Tq, QUERY_BLOCK):
@@ -158,9 +159,9 @@ class _Batch:
     def rope(self, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """`rope_tables`, computed once per forward for each positions array and frequency set (per
         layer, the trigonometry was 5% of a 512-token prefill on CPU)."""
-        key = (id(positions), inv_freq.tobytes())
         if positions.shape[1] == 1:  # decode: B values, nothing to share
             return rope_tables(positions, inv_freq)
+        key = (id(positions), inv_freq.tobytes())
         if key not in self.tables or self.tables[key][0] is not positions:
             # Computed inside a conditional (both branches the same, so the predicate does not
             # matter) that XLA cannot see through: it would otherwise fuse, and so recompute, the
@@ -213,11 +214,7 @@ def _attention(
     else:
         past, own = shared[spec.kv_donor]
 
-    if past is None:
-        mask = _visible(batch.q_pos, own.key_pos, own.key_valid, spec.sliding_window)
-        out = attend(q, own.k, own.v, mask, config.attention_scale)
-    else:
-        out = attend_chunk(q, batch.q_pos, past, own, spec.sliding_window, config.attention_scale)
+    out = attend_chunk(q, batch.q_pos, past, own, spec.sliding_window, config.attention_scale)
     return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
 
 
