@@ -230,3 +230,28 @@ def test_engine_small_group_decode_gets_the_fast_path(six_layers):
 
 def _cache_shapes(cache) -> list[tuple[int, ...]]:
     return sorted({leaf.shape for leaf in jax.tree.leaves(cache) if len(leaf.shape) == 4})
+
+
+@pytest.mark.parametrize("step", ["prefill_step", "prefill_rows", "verify_rows"])
+def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
+    """A one-slot prefill reads its slot's rows out of the donated cache and writes them back; read
+    plainly, the rows' slice fused into the attention's reads and XLA copied every layer's whole
+    cache twice to keep the old contents for them (gemmax.model.kv_cache.KVCache.rows). No prefill
+    or verify step copies or converts a whole cache array."""
+    from gemmax.engine import steps
+
+    config, _, params = six_layers
+    precision = CPU.precision()
+    device = jax.eval_shape(lambda: steps.init_device_state(config, 8, 1024, precision, ring_slack=4))
+    i32, flag = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_)
+    if step == "prefill_step":
+        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag, flag)
+    elif step == "prefill_rows":
+        args = (jax.ShapeDtypeStruct((2, 64), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32), i32,
+                jax.ShapeDtypeStruct((2,), jnp.int32), flag, jax.ShapeDtypeStruct((2,), jnp.bool_))
+    else:
+        args = (jax.ShapeDtypeStruct((8,), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.int32),
+                jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
+                                     kv_len=256).compile().as_text()
+    assert cache_rewrites(hlo, _cache_shapes(device.cache)) == []

@@ -138,9 +138,12 @@ def check_decode_hlo(hlo: str | HloIndex, batch: int) -> list[str]:
     return problems
 
 
+IN_PLACE = ("scatter", "dynamic-update-slice")  # the HLO updates that write a cache array in place
+
+
 def cache_rewrites(hlo: str | HloIndex, cache_shapes: list[tuple[int, ...]]) -> list[str]:
-    """Instructions of a compiled decode step that produce a whole KV-cache array other than by
-    updating it in place (a fusion rooted in a scatter or dynamic-update-slice): copies, dtype
+    """Instructions of a compiled step that produce a whole KV-cache array other than by updating
+    it in place (a scatter or dynamic-update-slice, or a fusion rooted in one): copies, dtype
     conversions, re-materialisations. Each one streams the whole cache on every step (XLA:CPU widens
     bf16 cache updates to float32, and keeps a copy when the old cache is read after the update)."""
     wanted = {tuple(shape) for shape in cache_shapes}
@@ -150,7 +153,7 @@ def cache_rewrites(hlo: str | HloIndex, cache_shapes: list[tuple[int, ...]]) -> 
         if instr.dims not in wanted or instr.opcode in ("parameter", "bitcast", "get-tuple-element"):
             continue
         _, root = index.fused(instr)
-        if instr.opcode == "fusion" and root is not None and root.opcode in ("scatter", "dynamic-update-slice"):
+        if instr.opcode in IN_PLACE or (instr.opcode == "fusion" and root is not None and root.opcode in IN_PLACE):
             continue
         problems.append(f"{instr.name} = {instr.shape} {instr.opcode}")
     return problems

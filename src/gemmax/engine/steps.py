@@ -38,6 +38,7 @@ from gemmax.engine.sampling import SamplingState, choose_ids, sample, set_row
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import KVCache, init_cache
+from gemmax.model.ops import opaque
 
 
 @jax.tree_util.register_dataclass
@@ -82,7 +83,9 @@ def _keep_hidden(old: jax.Array | None, new: jax.Array | None, rows_taking: jax.
 
 
 def _rows(tree, slot):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), tree)
+    """Row `slot` of every array of `tree`, as buffers of their own (`KVCache.rows` says why)."""
+    return opaque(slot >= 0, lambda t: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), t),
+                  tree)
 
 
 def _put_rows(tree, rows, slot):

@@ -23,7 +23,7 @@ from gemmax.model.config import LayerSpec, ModelConfig
 from gemmax.model.kv_cache import KVCache, LayerCache, slot_positions
 from gemmax.model.linear import linear, lookup
 from gemmax.model.moe import moe_block
-from gemmax.model.ops import gelu_tanh, rms_norm
+from gemmax.model.ops import gelu_tanh, opaque, rms_norm
 from gemmax.model.params import Params
 
 _MASKED = float(np.finfo(np.float32).min)  # finite: a row with no visible key stays NaN-free
@@ -163,10 +163,9 @@ class _Batch:
             return rope_tables(positions, inv_freq)
         key = (id(positions), inv_freq.tobytes())
         if key not in self.tables or self.tables[key][0] is not positions:
-            # Computed inside a conditional (both branches the same, so the predicate does not
-            # matter) that XLA cannot see through: it would otherwise fuse, and so recompute, the
-            # trigonometry into each consumer in every layer (XLA:CPU drops optimization barriers).
-            tables = jax.lax.cond(jnp.all(positions >= 0), rope_tables, rope_tables, positions, inv_freq)
+            # `opaque`: XLA would otherwise fuse, and so recompute, the trigonometry into each
+            # consumer in every layer.
+            tables = opaque(jnp.all(positions >= 0), rope_tables, positions, inv_freq)
             self.tables[key] = (positions, *tables)
         return self.tables[key][1:]
 
