@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,6 +70,30 @@ def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, t
     for run in served:  # the same tokens from compiled, loaded and recompiled programs; nothing compiled late
         assert [tokens for tokens, _ in run] == solo
         assert not any(late for _, late in run)
+
+
+def test_a_program_read_back_from_jax_cache_is_not_stored(loaded, tmp_path):
+    """After a code change that leaves the programs as they were, the store misses and JAX's own cache
+    hits. XLA:CPU serialises such a read-back executable without all its kernels ("Function ... not
+    found" when it runs), so it is not stored: the next start reads it from JAX's cache again, and
+    every start serves the solo path's tokens."""
+    ck = loaded.checkpoint
+    solo = [generate(ck.params, ck.config, list(p), 12, SamplingParams(), loaded.policy.precision(), stop_ids=())
+            for p in PROMPTS]
+    jax.clear_caches()  # compiled for real (earlier tests' programs are in memory), so JAX's cache is written
+    cold = _start(loaded, tmp_path)
+    shapes = cold.warmup_report["shapes"]
+    assert _serve(cold) == [(tokens, False) for tokens in solo]
+    for entry in (tmp_path / STORE_DIR).glob("*.exe"):  # as a changed code hash would leave it
+        entry.unlink()
+    for _ in range(2):
+        jax.clear_caches()  # as a new process: compiling reads JAX's persistent cache, not its memory
+        engine = _start(loaded, tmp_path)
+        report = engine.warmup_report
+        assert report["executables_from_jax_cache_unstored"] == shapes and report["executables_loaded"] == 0
+        assert report["cache_hits"] >= shapes
+        assert not list((tmp_path / STORE_DIR).glob("*.exe"))
+        assert _serve(engine) == [(tokens, False) for tokens in solo]
 
 
 def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):

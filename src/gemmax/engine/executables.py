@@ -18,6 +18,12 @@ persistent cache would still trace and lower every shape to find its key (and mi
 directory moves, since its key names the directory). An entry that does not load is removed and
 compiled anew. The store lives inside the compile-cache directory, so `gemmax cache export / import`
 moves it with JAX's entries.
+
+A program that JAX read back from its own persistent cache is not stored: on XLA:CPU (jaxlib 0.10.2)
+such an executable serialises without all of its kernels, and the copy loads but fails when it runs
+("NOT_FOUND: Function select_convert_fusion not found"), so a start after a code change that
+left the HLO as it was (JAX's cache hit, the store missed) stored programs the next start could
+not run. Such a step comes from JAX's cache at every start until a real compilation stores it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import jax
 import jaxlib
 import numpy as np
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 log = logging.getLogger("gemmax.engine")
@@ -76,6 +83,25 @@ def _devices_of(args: tuple) -> list:
     return sorted(devices, key=lambda d: d.id)
 
 
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's event, recorded in the compiling thread
+_compiling = threading.local()
+
+
+def _note_cache_hit(event: str, **_: object) -> None:
+    if event == _CACHE_HIT:
+        _compiling.jax_cache_hit = True
+
+
+monitoring.register_event_listener(_note_cache_hit)
+
+
+def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, bool]:
+    """(jitted compiled for the call, whether JAX's persistent cache supplied the program)."""
+    _compiling.jax_cache_hit = False
+    compiled = jitted.lower(*args, **statics).compile()
+    return compiled, _compiling.jax_cache_hit
+
+
 _code_hash: str | None = None
 
 
@@ -102,6 +128,7 @@ class ExecutableStore:
         self.loaded = 0
         self.saved = 0
         self.rejected = 0
+        self.unstored = 0  # read back from JAX's cache, so not stored (module docstring)
 
     def key(self, name: str, sig: tuple, devices: list) -> str:
         backend = jax.devices()[0].client
@@ -164,9 +191,11 @@ class CompiledStep:
         stored = None if store is None else store.key(self.name, sig, devices)
         compiled = None if stored is None else store.load(stored, devices)
         if compiled is None:
-            compiled = self.jitted.lower(*args, **statics).compile()
+            compiled, from_jax_cache = _compile(self.jitted, args, statics)
             self.compiled += 1
-            if stored is not None:
+            if stored is not None and from_jax_cache:
+                store.unstored += 1
+            elif stored is not None:
                 store.save(stored, compiled)
         with self._lock:  # the statics are kept with it: their ids in the key stay theirs
             self._table.setdefault(key, (compiled, dict(statics)))
@@ -210,4 +239,5 @@ class CompiledSteps:
         return {"executables": sum(step.size() for step in steps),
                 "executables_compiled": sum(step.compiled for step in steps),
                 "executables_loaded": 0 if store is None else store.loaded,
-                "executables_rejected": 0 if store is None else store.rejected}
+                "executables_rejected": 0 if store is None else store.rejected,
+                "executables_from_jax_cache_unstored": 0 if store is None else store.unstored}
