@@ -151,8 +151,8 @@ class KVCache:
         then read the whole donated cache; writing the rows back (`put_rows`) in place must wait for
         those reads, which nothing orders before it, so XLA:CPU copied every layer's whole cache
         twice instead (a 32-token prefill of the built-in model with 8 slots of 4,096 positions:
-        130-150 ms, against 73-83 ms with the rows read through `opaque`, whose result the write
-        back depends on)."""
+        139-140 ms, against 74-94 ms with the rows read through `opaque`, whose result the write
+        back depends on; docs/cpu_decode.md)."""
         return opaque(slot >= 0, lambda cache: jax.tree.map(
             lambda a: lax.dynamic_slice_in_dim(a, slot, size, axis=0), cache), self)
 
