@@ -5,6 +5,7 @@ through XLA:CPU's fused matrix-vector dot. A jax/XLA upgrade that loses the fusi
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -255,3 +256,42 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
     hlo = getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
                                      kv_len=256).compile().as_text()
     assert cache_rewrites(hlo, _cache_shapes(device.cache)) == []
+
+
+def _under_conditional(index, comp: str) -> bool:
+    """Whether computation `comp` runs only inside a branch of some `conditional` instruction."""
+    callers = [i for i in index.instrs.values() if comp in re.findall(r"%([\w.\-]+)", i.attrs)]
+    if not callers:
+        return False  # the entry computation: reached unconditionally
+    return all(i.opcode == "conditional" or _under_conditional(index, index.home[i.name]) for i in callers)
+
+
+def _head_dots(index, vocab: int) -> list:
+    return [i for i in index.instrs.values() if i.opcode == "dot" and vocab in i.dims]  # [.., V] or, weight on the left, [V, B]
+
+
+@pytest.mark.parametrize("step", ["prefill_step", "prefill_rows"])
+def test_prefill_computes_the_head_only_on_the_last_chunk(six_layers, step):
+    """A prefill chunk before a prompt's last needs no logits; the LM head (which reads the whole
+    embedding table) sits in a conditional on `last_chunk` (model.forward's `head_on`). The decode
+    step, which always samples, is the control: its head dot runs unconditionally."""
+    from gemmax.engine import steps
+    from gemmax.engine.hlo import HloIndex
+
+    config, _, params = six_layers
+    precision = CPU.precision()
+    device = jax.eval_shape(lambda: steps.init_device_state(config, 8, 1024, precision))
+    i32, flag = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_)
+    if step == "prefill_step":
+        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag, flag)
+    else:
+        args = (jax.ShapeDtypeStruct((2, 64), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32), i32,
+                jax.ShapeDtypeStruct((2,), jnp.int32), flag, jax.ShapeDtypeStruct((2,), jnp.bool_))
+    prefill = HloIndex.read(getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
+                                                        kv_len=256).compile().as_text())
+    decode = HloIndex.read(steps.decode_step.lower(params, device, jax.ShapeDtypeStruct((8,), jnp.bool_),
+                                                   config=config, precision=precision, kv_len=256).compile().as_text())
+    for index, conditional in ((prefill, True), (decode, False)):
+        dots = _head_dots(index, config.vocab_size)
+        assert dots, "no dot produces the vocabulary-sized logits"
+        assert all(_under_conditional(index, index.home[d.name]) == conditional for d in dots)

@@ -53,7 +53,9 @@ def _results(engine, requests):
 def _same(got, want):
     (result, logprobs), (ref, ref_logprobs) = got, want
     assert result.token_ids == ref.token_ids
-    np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-5)
+    # f32 reduction order differs between chunkings and CPU kernels (2.7e-5 seen on an AVX2-only
+    # Zen 3); a position copied to the wrong slot moves later logprobs by far more.
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-4)
 
 
 def test_block_keys_name_the_whole_prefix_and_its_salt():

@@ -134,7 +134,7 @@ def test_speculative_profile_carries_the_accepted_lengths_and_the_predicted_spee
     out, stdout, report = speculative_run
     # The JSON line, not the table text, is what a reader parses (it is the report written to disk).
     assert json.loads(stdout.strip().splitlines()[-1]) == report
-    assert report["schema"] == "gemmax.profile/2"
+    assert report["schema"] == "gemmax.profile/3"
     spec = report["speculative"]
     assert spec["method"] == "ngram" and spec["k"] == 4
     # The histogram: one count per accepted length 0..k, summing to the verify steps the engine ran,
@@ -293,3 +293,58 @@ def test_peak_bandwidth_table():
     assert peak_bandwidth("NVIDIA GeForce RTX 4090", "gpu") is None  # never the host's bandwidth for a GPU
     with pytest.raises(ValueError, match="must be > 0"):
         peak_bandwidth("cpu", "cpu", given_gbs=0.0)
+
+
+def test_dot_flops_counts_scans_and_the_costliest_branch():
+    """2 m n k per dot_general, a scan's body times its length, a conditional's costliest branch."""
+    from gemmax.profile.prefill import dot_flops
+
+    def f(x, w, on):
+        y = x @ w  # [8, 16] x [16, 32]
+        _, ys = jax.lax.scan(lambda c, wt: (c, x @ wt), None, jnp.stack([w] * 3))  # 3 more of the same
+        z = jax.lax.cond(on, lambda y: y @ w.T @ w, lambda y: y, y)  # [8,32]x[32,16], [8,16]x[16,32]
+        return y, ys, z
+
+    args = jnp.ones((8, 16)), jnp.ones((16, 32)), True
+    assert dot_flops(jax.make_jaxpr(f)(*args)) == 4 * 2 * 8 * 16 * 32 + 2 * (2 * 8 * 32 * 16)
+
+
+def test_classifier_follows_weights_into_loops_and_branches():
+    """The int8 prefill GEMM loops over weight tiles (quant.int8): the dot reading a converted tile
+    is a matmul and the tile's convert is conversion; a weight used in a conditional branch (the LM
+    head on a prompt's last chunk) is still a weight there."""
+    from gemmax.quant.int8 import quantize_int8
+
+    params = {"w": quantize_int8(jnp.ones((2048, 640), jnp.bfloat16), "cpu"), "head": jnp.ones((4096, 640))}
+
+    def step(params, x, on):
+        y = linear(x, params["w"])[:, :640]
+        return jax.lax.cond(on, lambda y: y @ params["head"].T, lambda y: jnp.zeros((32, 4096)), y)
+
+    index = HloIndex.from_compiled(jax.jit(step).lower(params, jnp.ones((32, 640)), True).compile())
+    classifier = Classifier(index)
+    timed = [name for name, i in index.instrs.items() if index.home[name] not in
+             {i.calls for i in index.instrs.values() if i.calls} and i.opcode not in ("parameter", "tuple")]
+    kinds = {name: classifier.classify(name) for name in timed}
+    matmuls = [n for n, info in kinds.items() if info.category.startswith("matmul")]
+    assert len(matmuls) == 2 and not any(info.category == "attention" for info in kinds.values())
+    assert {index.home[n] in classifier._loops for n in matmuls} == {True, False}
+    assert any(info.category == "conversion" and index.home[n] in classifier._loops for n, info in kinds.items())
+
+
+def test_prefill_profile_reports_flops_and_the_compute_peak(wide_checkpoint, tmp_path):
+    result = CliRunner().invoke(app, ["profile", "--model", str(wide_checkpoint), "--prefill", "16", "--steps", "3",
+                                      "--warmup", "1", "--out", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    report = load(tmp_path / "p" / "profile.json")
+    assert report["step"] == "prefill" and report["context"] == 0
+    _shares_add_up(report)
+    p = report["prefill"]
+    assert p["flops_per_chunk"] > 2 * 16 * WIDE["vocab_size"] * WIDE["hidden_size"]  # the head alone
+    assert p["achieved_gflops"] == pytest.approx(p["flops_per_chunk"] / report["host_step_ms"] * 1e3 / 1e9)
+    assert p["peak_gflops"] == max(r["gflops"] for r in p["gemm_rates"]) > 0
+    assert p["peak_percent"] == pytest.approx(100 * p["achieved_gflops"] / p["peak_gflops"])
+    assert "| share of compute peak |" in result.stdout
+    decode = CliRunner().invoke(app, ["profile", "--compare", str(tmp_path / "p" / "profile.json"),
+                                      str(tmp_path / "p" / "profile.json")])
+    assert decode.exit_code == 0, decode.output

@@ -596,7 +596,11 @@ def profile(
     steps: int = typer.Option(20, min=1, help="decode steps timed and traced"),
     warmup: int = typer.Option(5, min=0, help="decode steps run first, untimed"),
     batch: int = typer.Option(1, min=1, help="decode rows, all active"),
-    context: int = typer.Option(128, min=0, help="tokens already in the cache at every traced step"),
+    context: int = typer.Option(None, min=0, help="tokens already in the cache at every traced step "
+                                "(default 128 for decode, 0 for --prefill)"),
+    prefill: int = typer.Option(None, min=1, help="profile one prefill chunk of this many tokens (the last of its "
+                                "prompt) instead of decode: FLOPs and the share of the compute peak, measured "
+                                "by GEMMs in the same run (docs/profile.md)"),
     dtype: str = typer.Option("auto", help="weights: auto (device policy), float32, bfloat16, float16"),
     layout: str = typer.Option("auto", help="auto: the device's fast stored form; plain: every matrix in one piece "
                                "as loaded (on CPU, wide matrices then miss the fused matrix-vector dot)"),
@@ -615,7 +619,8 @@ def profile(
 ) -> None:
     """Trace decode steps with the JAX profiler: time by kind of op (from the compiled HLO), bytes per
     step and the share of the bandwidth roofline (docs/profile.md); with --speculative ngram the verify
-    step too, and the accepted-length distribution. Prints a table, then one JSON line."""
+    step too, and the accepted-length distribution; with --prefill T one prefill chunk instead, against
+    the compute peak. Prints a table, then one JSON line."""
     from gemmax.profile import report as reports
 
     if compare:
@@ -623,14 +628,20 @@ def profile(
             loaded = [reports.load(path) for path in compare]
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
-        typer.echo(reports.table(loaded, titles=list(compare)))
+        try:
+            typer.echo(reports.table(loaded, titles=list(compare)))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
         return
     _setup_logging()
     if layout not in ("auto", "plain"):
         raise typer.BadParameter("--layout must be 'auto' or 'plain'")
-    from gemmax.profile.run import load_weights, profile_decode
+    from gemmax.profile.run import load_weights, profile_decode, profile_prefill
 
     spec = _mesh_spec(mesh)
+    if prefill is not None and (spec is not None or speculative != "off" or batch != 1):
+        raise typer.BadParameter("--prefill profiles one chunk of one request on one device: "
+                                 "not with --mesh, --speculative or --batch")
     if spec is not None and layout != "auto":
         raise typer.BadParameter("--layout plain is a one-device form: it cannot be combined with --mesh")
     if speculative not in ("off", "ngram"):
@@ -640,9 +651,14 @@ def profile(
         raise typer.BadParameter("--speculative runs on one device: it cannot be combined with --mesh")
     try:
         params, config, device_policy, name = load_weights(model, dtype, random_weights, layout, quant, mesh=spec)
-        result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
-                                context=context, peak_gbs=peak_bandwidth, mesh=spec, speculative=speculation,
-                                spec_tokens=spec_tokens, model=name + ("" if layout == "auto" else f" (layout {layout})"))
+        name += "" if layout == "auto" else f" (layout {layout})"
+        if prefill is not None:
+            result = profile_prefill(params, config, device_policy, out_dir=out, tokens=prefill, context=context or 0,
+                                     steps=steps, warmup=warmup, model=name)
+        else:
+            result = profile_decode(params, config, device_policy, out_dir=out, steps=steps, warmup=warmup, batch=batch,
+                                    context=128 if context is None else context, peak_gbs=peak_bandwidth, mesh=spec,
+                                    speculative=speculation, spec_tokens=spec_tokens, model=name)
     except ValueError as exc:  # includes a MeshError: a mesh this model or batch cannot split
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(reports.table([result]))

@@ -32,6 +32,7 @@ from gemmax.engine.fastpath import GEMV, decode_weight_reads
 from gemmax.model.forward import Precision
 from gemmax.model.kv_cache import KVCache
 from gemmax.model.linear import linear
+from gemmax.quant.cpu import native_bf16
 
 log = logging.getLogger("gemmax")
 
@@ -56,6 +57,9 @@ class DevicePolicy:
     kv_cache: str
     pallas_interpret: bool
     cpu_gemv_fusion: bool | None = None  # CPU: XLA fuses the bf16 matrix-vector product (None elsewhere)
+    # CPU: bf16 dot instructions (AVX512_BF16, AMX, Arm BF16); False: int8 GEMMs run in f32
+    # (gemmax.quant.cpu.gemm_dtype). None elsewhere, or unknown.
+    cpu_bf16_gemm: bool | None = None
     override: str | None = None  # --dtype given by the user
     warning: str | None = None  # set when the override (or the installed XLA) picks a slow path
     quant: Any = None  # gemmax.quant.QuantOptions in use (kernels resolved); set by runtime.load_model
@@ -82,6 +86,8 @@ class DevicePolicy:
         )
         if self.cpu_gemv_fusion is not None:
             line += f" cpu_gemv_fusion={self.cpu_gemv_fusion}"
+        if self.cpu_bf16_gemm is not None:
+            line += f" cpu_bf16_gemm={'native' if self.cpu_bf16_gemm else 'emulated (int8 GEMMs in float32)'}"
         if self.quant is not None:
             line += f" {self.quant.describe()}"
         return line
@@ -145,7 +151,8 @@ def device_policy(dtype: str | None = None) -> DevicePolicy:
     """The policy for the live device; `dtype` ('auto' or None, float32, bfloat16, float16) overrides it."""
     platform, kind, cc, memory = _device_facts()
     fused = cpu_gemv_fuses("bfloat16") if platform == "cpu" else None
-    return choose_policy(platform, kind, cc, memory, dtype, cpu_gemv_fusion=fused)
+    policy = choose_policy(platform, kind, cc, memory, dtype, cpu_gemv_fusion=fused)
+    return dataclasses.replace(policy, cpu_bf16_gemm=native_bf16()) if platform == "cpu" else policy
 
 
 def choose_policy(

@@ -107,7 +107,8 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     [1, ceil(V / 32)] i32: the allowed first tokens of a constrained request (None: free)."""
     row_cache = device.cache.rows(slot)
     logits, row_cache, *h = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
-                                    precision=precision, kv_len=kv_len, hidden=device.hidden is not None)
+                                    precision=precision, kv_len=kv_len, hidden=device.hidden is not None,
+                                    head_on=last_chunk)
     ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(device.sampling, slot), want_logprobs[None],
                                                  last_chunk[None], mask)
     hidden = device.hidden
@@ -133,7 +134,7 @@ def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last
     sub = _gather(device, rows, kv_len)
     starts = jnp.full(num_new.shape, start, jnp.int32)
     logits, cache, *h = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
-                                kv_len=kv_len, hidden=sub.hidden is not None)
+                                kv_len=kv_len, hidden=sub.hidden is not None, head_on=last_chunk)
     ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, (num_new > 0) & last_chunk)
     hidden = _keep_hidden(sub.hidden, h[0] if h else None, (num_new > 0) & last_chunk)
     return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling, hidden=hidden), rows, kv_len), \

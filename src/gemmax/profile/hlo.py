@@ -25,6 +25,10 @@ An op's *body* is the instruction itself, or for a fusion every instruction of i
    get-tuple-element, bitcast-convert): time spent only changing dtypes (and the layout on the way).
    A convert fused into other work stays with that work; the time of non-matmul ops that fuse a
    convert is reported apart as `fused_convert` (an upper bound of what those converts cost).
+   Weights carried into a `while` loop or a `conditional` stay weights in its body or branches
+   (through the tuple it passes), and in a loop
+   a `dynamic-slice` of one is a tile of it (quant.int8's tiled GEMM): its converted tile is
+   conversion, the dot that reads it a matmul.
 4. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes, with the `dynamic-slice` that
    reads the slot's old value fused in).
 5. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows).
@@ -72,6 +76,13 @@ class OpInfo:
     op_name: str = ""
 
 
+_BODY = re.compile(r"body=%([\w.\-]+)")
+_INDEX = re.compile(r"index=(\d+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE = re.compile(r"true_computation=%([\w.\-]+)")
+_FALSE = re.compile(r"false_computation=%([\w.\-]+)")
+
+
 def _pure_conversion(body: list[Instr]) -> bool:
     ops = {i.opcode for i in body}
     return "convert" in ops and ops <= _MOVES_OR_CONVERTS
@@ -103,6 +114,39 @@ class Classifier:
         self.weight_arg = weight_arg
         self._weight: dict[str, bool] = {}
         self._cache: dict[str, OpInfo] = {}
+        # Computations that get their inputs as one tuple -> (the op calling them, which operand): a
+        # while body (a loop over weight tiles, quant.int8's prefill GEMM, carries the weight and slices
+        # one tile per iteration) and a conditional's branches (the LM head on a prompt's last chunk).
+        self._callers: dict[str, tuple[Instr, int]] = {}
+        self._loops: set[str] = set()
+        for instr in index.instrs.values():
+            if instr.opcode == "while" and (body := _BODY.search(instr.attrs)):
+                self._callers[body.group(1)] = (instr, 0)
+                self._loops.add(body.group(1))
+            elif instr.opcode == "conditional":
+                branches = _BRANCHES.search(instr.attrs)
+                names = (re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else
+                         [m.group(1) for m in (_TRUE.search(instr.attrs), _FALSE.search(instr.attrs)) if m])
+                self._callers.update({name: (instr, 1 + i) for i, name in enumerate(names)})
+
+    def _carried(self, instr: Instr) -> str | None:
+        """For a get-tuple-element of the tuple parameter of a while body or conditional branch: the
+        caller's input it carries (None otherwise, or where the input is not a plain tuple)."""
+        caller = self._callers.get(self.index.home[instr.name])
+        source = self.index.instrs.get(instr.operands[0]) if instr.operands else None
+        index = _INDEX.search(instr.attrs)
+        if caller is None or source is None or source.opcode != "parameter" or index is None:
+            return None
+        op, position = caller
+        packed = self.index.instrs.get(op.operands[position]) if position < len(op.operands) else None
+        if packed is None or packed.opcode != "tuple" or int(index.group(1)) >= len(packed.operands):
+            return None
+        return packed.operands[int(index.group(1))]
+
+    def _moves(self, instr: Instr, ops: set[str]) -> bool:
+        """Whether an op only converts and moves its input; in a loop body, slicing a tile counts."""
+        allowed = _MOVES_OR_CONVERTS | ({"dynamic-slice"} if self.index.home[instr.name] in self._loops else set())
+        return ops <= allowed
 
     def is_weight(self, name: str) -> bool:
         """An entry parameter under `weight_arg`, or a convert / data-movement op of one."""
@@ -113,9 +157,10 @@ class Classifier:
             elif instr.opcode == "parameter":
                 result = instr.op_name == self.weight_arg or instr.op_name.startswith(
                     (f"{self.weight_arg}[", f"{self.weight_arg}."))
+            elif instr.opcode == "get-tuple-element" and (carried := self._carried(instr)) is not None:
+                result = self.is_weight(carried)
             else:
-                body = self.index.body(instr)
-                moves = {i.opcode for i in body} <= _MOVES_OR_CONVERTS
+                moves = self._moves(instr, {i.opcode for i in self.index.body(instr)})
                 result = moves and any(self.is_weight(o) for o in instr.operands)
             self._weight[name] = result
         return self._weight[name]
@@ -148,8 +193,8 @@ class Classifier:
         elif ops & _DOTS or gemm_call:
             read = self._weight_read(instr, body)
             category = "attention" if read is None else ("matmul_fp32" if read in _FP32 else "matmul_lowp")
-        elif _pure_conversion(body):
-            category = "conversion"
+        elif _pure_conversion(body) or ("convert" in ops and self._moves(instr, ops) and self.is_weight(name)):
+            category = "conversion"  # the second: a weight tile sliced and converted in a loop
         elif ops & _SCATTERS:
             category = "scatter"
         elif ops & _GATHERS:

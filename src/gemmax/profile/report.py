@@ -12,8 +12,10 @@ from typing import Any
 
 from gemmax.profile.hlo import CATEGORIES
 
-SCHEMA = "gemmax.profile/2"  # /2 adds `speculative` (None, or the verify step and the accepted lengths)
-READABLE = ("gemmax.profile/1", SCHEMA)  # what `load` (and so --compare) reads
+# /2 adds `speculative` (None, or the verify step and the accepted lengths); /3 adds `step` ("decode",
+# or "prefill" with the `prefill` block of `gemmax profile --prefill`; older reports are decode).
+SCHEMA = "gemmax.profile/3"
+READABLE = ("gemmax.profile/1", "gemmax.profile/2", SCHEMA)  # what `load` (and so --compare) reads
 
 # The four shares of the headline table (they sum to 100%) and the fine categories behind the last one.
 SHARES = ("conversion", "matmul_fp32", "matmul_lowp", "other")
@@ -53,19 +55,49 @@ def _bytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.3f} GB"
 
 
-def rows(report: dict[str, Any], speculative: bool | None = None) -> list[tuple[str, str]]:
-    """(label, value) rows of one report, in table order; with `speculative` (default: whether the
-    report has a `speculative` block) the rows of `speculative_rows` after them."""
+def step_of(report: dict[str, Any]) -> str:
+    """"decode" or "prefill": the step a report profiles (reports before schema /3 are decode)."""
+    return report.get("step", "decode")
+
+
+def _time_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The op categories and step times every report has, decode or prefill."""
     cats = report["categories"]
-    b = report["bytes_per_step"]
     out = [(LABELS[k], _pct(report["shares"][k])) for k in SHARES]
     out += [(LABELS[k], _pct(cats[k]["percent"]) if k in cats else "n/a") for k in OTHER]  # older reports lack some
-    out += [
+    return out + [
         ("ops with a convert fused into other work", _pct(report["fused_convert_percent"])),
         ("tensor-core / MXU use (where the device reports it)", _tensor_core(report)),
         ("total device time per step (sum of op times)", f"{report['device_ms_per_step']:.3f} ms"),
         ("step time in the trace (first op start to last op end)", f"{report['trace_step_ms']:.3f} ms"),
         ("step time, untraced (host clock)", f"{report['host_step_ms']:.3f} ms"),
+    ]
+
+
+def prefill_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows of a `gemmax profile --prefill` report, in table order."""
+    p = report["prefill"]
+    flops = p["flops_per_chunk"]
+    return _time_rows(report) + [
+        ("prefill tok/s (chunk tokens / untraced step time)", f"{p['tokens_per_second']:,.1f}"),
+        ("FLOPs per chunk (the dot_generals of the step)", "n/a" if flops is None else f"{flops / 1e9:,.3f} GFLOP"),
+        ("achieved compute (FLOPs / untraced step time)", _num(p["achieved_gflops"], " GFLOP/s")),
+        ("GEMMs measured in this run (m x k x n dtype: GFLOP/s)",
+         "; ".join(f"{r['label']}: {r['gflops']:,.1f}" for r in p["gemm_rates"])),
+        ("compute peak (best GEMM measured)", _num(p["peak_gflops"], " GFLOP/s")),
+        ("share of compute peak", _pct(p["peak_percent"])),
+        ("share of a GEMM at this chunk's shapes", _pct(p["own_shape_percent"])),
+    ]
+
+
+def rows(report: dict[str, Any], speculative: bool | None = None) -> list[tuple[str, str]]:
+    """(label, value) rows of one report, in table order; with `speculative` (default: whether the
+    report has a `speculative` block) the rows of `speculative_rows` after them. A prefill report
+    has its own rows (`prefill_rows`)."""
+    if step_of(report) == "prefill":
+        return prefill_rows(report)
+    b = report["bytes_per_step"]
+    out = _time_rows(report) + [
         ("decode tok/s (same run)", f"{report['tokens_per_second']:.1f}"),
         ("bytes read per step (weights actually read + KV)", _bytes(b["total"])),
         ("  weight matrices / LM head / gathered rows / norms",
@@ -131,8 +163,10 @@ def speculative_rows(spec: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 def _header(report: dict[str, Any]) -> str:
     p = report["precision"]
+    shape = (f"prefill chunk of {report['prefill']['tokens']} tokens" if step_of(report) == "prefill"
+             else f"batch {report['batch']}")
     return (f"{report['device']['kind']}: weights {p['weights']}, activations {p['activations']}, "
-            f"KV {p['kv_cache']}, batch {report['batch']}, context {report['context']}"
+            f"KV {p['kv_cache']}, {shape}, context {report['context']}"
             + (f", mesh {report['mesh']} (device time summed over its {report['devices']} devices)"
                if report.get("mesh") else ""))
 
@@ -142,6 +176,8 @@ def table(reports: list[dict[str, Any]], titles: list[str] | None = None) -> str
     if not reports:
         raise ValueError("no reports to show")
     titles = titles or (["this run"] if len(reports) == 1 else [f"run {chr(65 + i)}" for i in range(len(reports))])
+    if len({step_of(r) for r in reports}) > 1:
+        raise ValueError("cannot put a decode profile beside a prefill profile: compare runs of the same step")
     speculative = any(r.get("speculative") for r in reports)  # every column gets the same rows
     columns = [rows(r, speculative) for r in reports]
     lines = ["| | " + " | ".join(titles) + " |", "|---|" + "---|" * len(reports)]

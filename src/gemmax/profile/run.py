@@ -12,6 +12,7 @@ model's own accounting of what a step reads (`gemmax.engine.memory.decode_traffi
 
 With `speculative` the verify step is profiled the same way, and a short generation through the
 engine gives the accepted-length distribution and the predicted speed-up (gemmax.profile.speculation).
+`profile_prefill` profiles one prefill chunk instead, against the compute peak (gemmax.profile.prefill).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gemmax.model.forward import Precision
 from gemmax.model.params import Params, map_params
 from gemmax.profile.bandwidth import peak_bandwidth
 from gemmax.profile.hlo import CATEGORIES, Classifier, HloIndex
+from gemmax.profile.prefill import compute_block, gemm_rates, prefill_executable
 from gemmax.profile.report import OTHER, SCHEMA
 from gemmax.profile.speculation import (
     VERIFY_BYTES_NOTE,
@@ -177,19 +179,9 @@ def profile_decode(
     peak = None if mesh is not None else peak_bandwidth(policy.device_kind, policy.platform, peak_gbs,
                                                         times.memory_bandwidth, bandwidth_mib)
     achieved = None if mesh is not None else traffic.total / host_step / 1e9
-    tensor_core = None
-    note = "not reported on CPU (no tensor cores / MXU)"
-    if policy.platform in ("gpu", "tpu"):
-        tensor_core = report["categories"]["matmul_lowp"]["percent"]
-        note = "16-bit / int8 matmul time (tensor-core / MXU eligible), from the HLO"
-    weights = sorted({jnp.dtype(leaf.dtype).name for leaf in jax.tree.leaves(params) if leaf.ndim >= 2})
     report.update({
-        "schema": SCHEMA,
-        "model": model,
-        "device": {"platform": policy.platform, "kind": policy.device_kind},
-        "policy": policy.as_dict(),
-        "precision": {"weights": "+".join(weights), "activations": jnp.dtype(precision.activation).name,
-                      "kv_cache": jnp.dtype(precision.kv_cache).name},
+        **_identity(params, policy, precision, model),
+        "step": "decode",
         "batch": batch, "context": context, "steps": steps, "warmup": warmup,
         "mesh": None if mesh is None else str(mesh), "devices": devices,
         "traced_steps_seen": times.steps,
@@ -206,8 +198,7 @@ def profile_decode(
         "achieved_gbs": achieved,
         "roofline_tokens_per_second": batch * peak.gbs * 1e9 / traffic.total if peak else None,
         "roofline_percent": 100 * achieved / peak.gbs if peak and achieved else None,
-        "tensor_core_percent": tensor_core,
-        "tensor_core_note": note,
+        **_tensor_core(report, policy),
         "trace_dir": str(out_dir),
         "xplane": str(xplane),
         "trace_source": times.source,
@@ -218,6 +209,61 @@ def profile_decode(
             params, config, policy, out_dir=out_dir / "verify", steps=steps, warmup=warmup, batch=batch,
             context=context, k=speculative.k, precision=precision, peak=peak, decode_step_ms=host_step * 1e3,
             tokens=spec_tokens, model=model)
+    (out_dir / "profile.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _identity(params: Params, policy: DevicePolicy, precision: Precision, model: str) -> dict[str, Any]:
+    """What every report starts with: schema, model, device, policy and the dtypes as they really are."""
+    weights = sorted({jnp.dtype(leaf.dtype).name for leaf in jax.tree.leaves(params) if leaf.ndim >= 2})
+    return {
+        "schema": SCHEMA,
+        "model": model,
+        "device": {"platform": policy.platform, "kind": policy.device_kind},
+        "policy": policy.as_dict(),
+        "precision": {"weights": "+".join(weights), "activations": jnp.dtype(precision.activation).name,
+                      "kv_cache": jnp.dtype(precision.kv_cache).name},
+    }
+
+
+def _tensor_core(summary: dict[str, Any], policy: DevicePolicy) -> dict[str, Any]:
+    """The 16-bit matmul share where a device has tensor cores / an MXU to run it."""
+    if policy.platform in ("gpu", "tpu"):
+        return {"tensor_core_percent": summary["categories"]["matmul_lowp"]["percent"],
+                "tensor_core_note": "16-bit / int8 matmul time (tensor-core / MXU eligible), from the HLO"}
+    return {"tensor_core_percent": None, "tensor_core_note": "not reported on CPU (no tensor cores / MXU)"}
+
+
+def profile_prefill(params: Params, config: ModelConfig, policy: DevicePolicy, *, out_dir: str | Path,
+                    tokens: int, context: int = 0, steps: int = 10, warmup: int = 2,
+                    precision: Precision | None = None, model: str = "") -> dict[str, Any]:
+    """Profile one prefill chunk of `tokens` tokens after `context` cached ones (gemmax.profile.prefill);
+    writes the trace and `profile.json` under out_dir, returns the report."""
+    if steps < 1 or warmup < 0 or tokens < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, tokens >= 1 (got {steps}, {warmup}, {tokens})")
+    if context < 0 or context + tokens > config.max_position_embeddings:
+        raise ValueError(f"context + tokens must be at most {config.max_position_embeddings}, got {context} + {tokens}")
+    precision = precision or policy.precision()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    compiled, run, flops = prefill_executable(params, config, tokens, context, precision)
+    host_step, times, xplane, report = _measure(compiled, run, steps, warmup, out_dir)
+    rates = gemm_rates(config, tokens, jnp.dtype(policy.compute_dtype))
+    report.update({
+        **_identity(params, policy, precision, model),
+        "step": "prefill",
+        "batch": 1, "context": context, "steps": steps, "warmup": warmup,
+        "traced_steps_seen": times.steps,
+        "device_ms_per_step": times.total_ns / 1e6,
+        "trace_step_ms": times.step_span_ns / 1e6,
+        "host_step_ms": host_step * 1e3,
+        "prefill": compute_block(flops, host_step, tokens, rates),
+        **_tensor_core(report, policy),
+        "trace_dir": str(out_dir),
+        "xplane": str(xplane),
+        "trace_source": times.source,
+        "speculative": None,
+    })
     (out_dir / "profile.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -4,7 +4,8 @@
 - "cpu" (XLA:CPU): up to `ROW_LOOP_MAX` rows, the fused matrix-vector form row by row
   (gemmax.quant.cpu); an int8 matrix too big for the cache (an LM head) at 4-8 rows is converted
   tile by tile inside a loop and multiplied by the GEMM (`tiled`): read once as int8, each bf16 tile
-  used while it is in cache; more rows (prefill) dequantise once and use the GEMM.
+  used while it is in cache; more rows (prefill) do the same with smaller tiles (in f32 on a CPU
+  without bf16 instructions: `gemmax.quant.cpu.gemm_dtype`).
 - "xla" (GPU, TPU): the int8 values converted to the compute dtype inside the dot, float32
   accumulation, the scales applied to the output.
 
@@ -24,12 +25,17 @@ from jax import lax
 
 from gemmax.model.linear import linear
 from gemmax.model.stored import StoredWeight, concat_columns, static
-from gemmax.quant.cpu import ROW_LOOP_MAX, gemv_vector, row_by_row, sum_parts
+from gemmax.quant.cpu import ROW_LOOP_MAX, gemm_dtype, gemv_vector, row_by_row, sum_parts
 from gemmax.quant.rounding import by_rows, dtype_name, int8_rows
 
 F32 = jnp.float32
 TILED_MIN_ROWS, TILED_MIN_PARAMS = 4, 1 << 24  # int8 matrices this big at this many rows: `tiled`
 DEQUANT_TILE_ROWS = 4096  # int8 rows converted at a time for a batched-decode GEMM (4096 x 640 bf16: 5 MB)
+# Prefill (more than ROW_LOOP_MAX rows): tiles of at most this many weights (2 MB in f32), so each
+# converted tile is multiplied while it is in cache. Converting a whole matrix first wrote it out and
+# read it back: on a 2-core Zen 3, 18 chained [32, 640] x [640, 2048] int8 GEMMs took 72 ms converted
+# whole and 37-39 ms in tiles of 128-1024 rows (bf16 weights, nothing to convert: 32 ms).
+PREFILL_TILE_PARAMS = 1 << 19
 
 
 @jax.tree_util.register_dataclass
@@ -58,9 +64,11 @@ class Int8Weight(StoredWeight):
     @classmethod
     def matmul(cls, x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:
         if blocks[0].kernel == "cpu" and tiled(x.shape[0], blocks):
-            return _tiles(x, blocks)
+            return _tiles(x, blocks, DEQUANT_TILE_ROWS)
         if blocks[0].kernel == "cpu" and x.shape[0] <= ROW_LOOP_MAX:
             return row_by_row(x, lambda row: _gemv(row, blocks))
+        if blocks[0].kernel == "cpu":  # prefill
+            return _tiles(x, blocks, max(1, PREFILL_TILE_PARAMS // max(b.shape[1] for b in blocks)))
         dtype = blocks[0].compute_dtype
         q = concat_columns([b.q for b in blocks])
         y = lax.dot_general(x.astype(dtype), q.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=F32)
@@ -92,26 +100,28 @@ def tiled(rows: int, blocks: tuple[Int8Weight, ...]) -> bool:
     return TILED_MIN_ROWS <= rows <= ROW_LOOP_MAX and sum(math.prod(b.shape) for b in blocks) >= TILED_MIN_PARAMS
 
 
-def _tile_rows(n: int) -> int:
-    """Output rows dequantised at a time: the largest divisor of n up to DEQUANT_TILE_ROWS (n if none
-    of at least 64 rows exists)."""
-    for count in range(-(-n // DEQUANT_TILE_ROWS), n // 64 + 1):
+def _tile_rows(n: int, max_rows: int) -> int:
+    """Output rows dequantised at a time: the largest divisor of n up to max_rows (n if none of at
+    least 64 rows exists)."""
+    for count in range(-(-n // max_rows), n // 64 + 1):
         if n % count == 0:
             return n // count
     return n
 
 
-def _tiles(x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:
-    """x [rows, in] (a few rows: batched decode) @ W.T -> [rows, out] float32: a loop over tiles of
+def _tiles(x: jax.Array, blocks: tuple[Int8Weight, ...], max_rows: int) -> jax.Array:
+    """x [rows, in] (batched decode, prefill) @ W.T -> [rows, out] float32: a loop over tiles of
     output rows, each converted to the compute dtype (exact: |q| <= 127) and multiplied by XLA:CPU's
     GEMM (`gemmax.model.linear`), scales applied after. The weight is read once as int8; its bf16
-    tile (at most DEQUANT_TILE_ROWS x in) stays in cache for the GEMM."""
-    dtype = blocks[0].compute_dtype
+    tile (at most max_rows x in; f32 where bf16 is emulated: `cpu.gemm_dtype`) stays in cache for
+    the GEMM."""
+    dtype = gemm_dtype(blocks[0].compute_dtype)
+    x = x.astype(blocks[0].compute_dtype).astype(x.dtype)  # rounded as every form rounds it: the same product in f32
     parts, start = [], 0
     for b in blocks:
         n, k = b.shape
         xs = x[:, start : start + k]
-        tile = _tile_rows(n)
+        tile = _tile_rows(n, max_rows)
         _, ys = lax.scan(lambda carry, q, xs=xs: (carry, linear(xs, q.astype(dtype)).astype(F32)), None,
                          b.q.reshape(n // tile, tile, k))  # ys [n / tile, rows, tile]
         parts.append(ys.transpose(1, 0, 2).reshape(x.shape[0], n))
