@@ -151,8 +151,8 @@ def device_policy(dtype: str | None = None) -> DevicePolicy:
     """The policy for the live device; `dtype` ('auto' or None, float32, bfloat16, float16) overrides it."""
     platform, kind, cc, memory = _device_facts()
     fused = cpu_gemv_fuses("bfloat16") if platform == "cpu" else None
-    policy = choose_policy(platform, kind, cc, memory, dtype, cpu_gemv_fusion=fused)
-    return dataclasses.replace(policy, cpu_bf16_gemm=native_bf16()) if platform == "cpu" else policy
+    return choose_policy(platform, kind, cc, memory, dtype, cpu_gemv_fusion=fused,
+                         cpu_bf16_gemm=native_bf16() if platform == "cpu" else None)
 
 
 def choose_policy(
@@ -162,6 +162,7 @@ def choose_policy(
     memory: int | None,
     dtype: str | None = None,
     cpu_gemv_fusion: bool | None = None,
+    cpu_bf16_gemm: bool | None = None,
 ) -> DevicePolicy:
     """The decision itself, from the device facts (`device_policy` reads them from the live device)."""
     override = None if dtype in (None, "auto") else dtype
@@ -216,6 +217,7 @@ def choose_policy(
         kv_cache=kv_cache,
         pallas_interpret=platform == "cpu",
         cpu_gemv_fusion=cpu_gemv_fusion if platform == "cpu" else None,
+        cpu_bf16_gemm=cpu_bf16_gemm if platform == "cpu" else None,
         override=override,
         warning=warning,
         prefill_buckets=CPU_PREFILL_BUCKETS if platform == "cpu" else PREFILL_BUCKETS,

@@ -26,9 +26,8 @@ An op's *body* is the instruction itself, or for a fusion every instruction of i
    A convert fused into other work stays with that work; the time of non-matmul ops that fuse a
    convert is reported apart as `fused_convert` (an upper bound of what those converts cost).
    Weights carried into a `while` loop or a `conditional` stay weights in its body or branches
-   (through the tuple it passes), and in a loop
-   a `dynamic-slice` of one is a tile of it (quant.int8's tiled GEMM): its converted tile is
-   conversion, the dot that reads it a matmul.
+   (through the tuple it passes), and in a loop a `dynamic-slice` of one is a tile of it
+   (quant.int8's tiled GEMM): its converted tile is conversion, the dot that reads it a matmul.
 4. `scatter`: a `scatter` or `dynamic-update-slice` (KV cache writes, with the `dynamic-slice` that
    reads the slot's old value fused in).
 5. `gather`: a `gather` or `dynamic-slice` (embedding and PLE rows).

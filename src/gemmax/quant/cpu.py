@@ -14,7 +14,7 @@ AMX-BF16, Arm BF16) XLA:CPU's bf16 GEMM is the fastest (2-core Zen 4: 234 GFLOP/
 against 120-173 in f32); without them bf16 is emulated: converting int8 to bf16 rounds in software and
 the bf16 GEMM is slower than f32. Measured on a 2-core Zen 3 (no AVX-512), one 2048 x 640 int8 matrix:
 convert to bf16 1.67 ms, to f32 0.25 ms; dequantise and multiply 32 rows 3.36 ms in bf16, 1.36 ms in
-f32 (the built-in model's 32-token prefill chunk spent 76% of its time in those converts). There the
+f32 (the built-in model's 32-token prefill chunk spent 70-76% of its time in those converts). There the
 int8 GEMMs run in f32, which is exact for the int8 values.
 """
 
