@@ -37,7 +37,7 @@ def measured(tmp_path_factory):
     # LLVM at -O0 (`--xla_backend_optimization_level=0`): the subprocess compiles dozens of programs and runs
     # each a few times, and -O0 cuts a compile by 30-45% (e4b_like on dp=2,tp=4, CPU seconds: prefill
     # 5.9 -> 3.3, decode 3.7 -> 2.6). What is checked does not depend on it: the one-device reference, every mesh
-    # and every engine are compiled alike in that one process (logits within 1e-5, equal tokens), and
+    # and every engine are compiled alike in that one process (logits within 5e-5, equal tokens), and
     # the collectives are read from the partitioned HLO, which the LLVM level does not change.
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -61,7 +61,10 @@ def test_every_mesh_gives_one_device_logits_and_greedy_tokens(measured, name):
     meshes = MESHES + (["dp=1,tp=1,ep=8", "dp=2,tp=2,ep=2"] if "a4b" in name else [])
     for mesh in meshes:
         got = measured["forward"][f"{name} {mesh}"]
-        assert got["max_diff"] <= 1e-5, f"{name} on {mesh}: logits differ by {got['max_diff']:.2e}"
+        # f32 logits of magnitude < 1: a sharded sum adds in another order than one device's. Measured
+        # worst case, 31b_like on dp=1,tp=8: 1.7e-5 on an AVX2-only CPU (AMD Zen 3), under 1e-5 with
+        # AVX-512; a missing all-reduce or a wrongly placed shard is off by 1e-1 and more.
+        assert got["max_diff"] <= 5e-5, f"{name} on {mesh}: logits differ by {got['max_diff']:.2e}"
         assert got["greedy"] == got["one_device"], f"{name} on {mesh}: greedy tokens differ"
 
 
