@@ -339,3 +339,27 @@ def test_big_int8_matrices_at_batched_decode_rows_go_through_tiles():
     np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x[4:], qw)), y[4:])
     rows = np.asarray(jax.jit(linear)(x[:2], qw))  # the row-by-row form
     np.testing.assert_allclose(rows, y[:2], rtol=0, atol=1e-5 * np.abs(exact).max())
+
+
+def _scan_tiles(jaxpr) -> list[tuple[int, ...]]:
+    """The int8 tile shape each scan of a jaxpr steps over ([tile rows, inputs] per step)."""
+    return [tuple(e.invars[-1].aval.shape[1:]) for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+@pytest.mark.parametrize("out,k", [(2048, 640), (1536, 12288)])
+def test_int8_prefill_converts_tile_by_tile_even_for_wide_matrices(out, k):
+    """A prefill (more rows than the row-by-row form takes) converts an int8 matrix a tile of output rows
+    at a time inside a loop, each tile at most PREFILL_TILE_PARAMS weights or 64 rows, never the whole
+    matrix at once (E2B's 12288-wide down projection was converted whole), and computes the exact
+    product of the bf16-rounded rows."""
+    from gemmax.quant.int8 import PREFILL_TILE_PARAMS
+
+    qw = Q.quantize_int8(_weight(out, k, seed=7, dtype=jnp.bfloat16), "cpu")
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((32, k), dtype=np.float32))
+    tiles = _scan_tiles(jax.make_jaxpr(linear)(x, qw).jaxpr)
+    assert len(tiles) == 1, tiles
+    rows, inputs = tiles[0]
+    assert inputs == k and 64 <= rows < out and rows * k <= max(PREFILL_TILE_PARAMS, 64 * k), tiles
+    y = np.asarray(jax.jit(linear)(x, qw))
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+    np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
