@@ -350,8 +350,8 @@ def _scan_tiles(jaxpr) -> list[tuple[int, ...]]:
 def test_int8_prefill_converts_tile_by_tile_even_for_wide_matrices(out, k):
     """A prefill (more rows than the row-by-row form takes) converts an int8 matrix a tile of output rows
     at a time inside a loop, each tile at most PREFILL_TILE_PARAMS weights or 64 rows, never the whole
-    matrix at once (E2B's 12288-wide down projection was converted whole), and computes the exact
-    product of the bf16-rounded rows."""
+    matrix at once (a 12288-wide matrix not split into column blocks was converted whole), and
+    computes the exact product of the bf16-rounded rows."""
     from gemmax.quant.int8 import PREFILL_TILE_PARAMS
 
     qw = Q.quantize_int8(_weight(out, k, seed=7, dtype=jnp.bfloat16), "cpu")

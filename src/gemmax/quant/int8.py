@@ -34,8 +34,10 @@ DEQUANT_TILE_ROWS = 4096  # int8 rows converted at a time for a batched-decode G
 # Prefill (more than ROW_LOOP_MAX rows): tiles of at most this many weights (2 MB in f32), so each
 # converted tile is multiplied while it is in cache. Converting a whole matrix first wrote it out and
 # read it back: on a 2-core Zen 3, 18 chained [32, 640] x [640, 2048] int8 GEMMs took 72 ms converted
-# whole and 37-39 ms in tiles of 128-1024 rows (bf16 weights, nothing to convert: 32 ms); four
-# [32, 12288] x [12288, 1536] (E2B's wide down projection) 228 ms whole, 109 ms in 64-row tiles.
+# whole and 37-39 ms in tiles of 128-1024 rows (bf16 weights, nothing to convert: 32 ms). Four
+# [32, 12288] x [12288, 1536] products of one unsplit matrix: 228 ms whole, 109 ms in 64-row tiles
+# (the CPU engine splits such a matrix into column blocks of at most 4095 inputs first, whose tiles
+# are 170 rows or more: `gemmax.engine.fastpath.prepare_params`).
 PREFILL_TILE_PARAMS = 1 << 19
 
 
@@ -104,7 +106,7 @@ def tiled(rows: int, blocks: tuple[Int8Weight, ...]) -> bool:
 def _tile_rows(n: int, max_rows: int) -> int:
     """Output rows dequantised at a time: the largest divisor of n up to max(max_rows, 64) that is at
     least 64 (n if none exists). The floor keeps each tile a GEMM, not a sliver: a matrix wider than
-    PREFILL_TILE_PARAMS / 64 inputs (E2B's 12288-wide down projections) goes in 64-row tiles, not whole."""
+    PREFILL_TILE_PARAMS / 64 inputs that was not split into column blocks goes in 64-row tiles, not whole."""
     max_rows = max(max_rows, 64)
     for count in range(-(-n // max_rows), n // 64 + 1):
         if n % count == 0:
