@@ -324,6 +324,12 @@ def test_fit_prints_weight_bytes_per_option(tmp_path):
     assert bad.exit_code != 0 and "quant must be one of" in bad.output
 
 
+def _bf16_rows_times(x: jax.Array, qw) -> np.ndarray:
+    """The exact product every int8 form computes: the bf16-rounded rows of x times the dequantised
+    weight, transposed, in float64."""
+    return np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+
+
 def test_big_int8_matrices_at_batched_decode_rows_go_through_tiles():
     """An int8 matrix past the cache (2**24 parameters, like an LM head) at 4-8 rows is converted tile by
     tile and multiplied by the GEMM: the exact product of the bf16-rounded rows, and a row's result
@@ -334,7 +340,7 @@ def test_big_int8_matrices_at_batched_decode_rows_go_through_tiles():
     assert not Q.tiled(8, (Q.quantize_int8(_weight(1024, 2048), "cpu"),))
     x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 2048), dtype=np.float32))
     y = np.asarray(jax.jit(linear)(x, qw))
-    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+    exact = _bf16_rows_times(x, qw)
     np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
     np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x[4:], qw)), y[4:])
     rows = np.asarray(jax.jit(linear)(x[:2], qw))  # the row-by-row form
@@ -361,5 +367,5 @@ def test_int8_prefill_converts_tile_by_tile_even_for_wide_matrices(out, k):
     rows, inputs = tiles[0]
     assert inputs == k and 64 <= rows < out and rows * k <= max(PREFILL_TILE_PARAMS, 64 * k), tiles
     y = np.asarray(jax.jit(linear)(x, qw))
-    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+    exact = _bf16_rows_times(x, qw)
     np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())

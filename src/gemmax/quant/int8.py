@@ -71,7 +71,7 @@ class Int8Weight(StoredWeight):
         if blocks[0].kernel == "cpu" and x.shape[0] <= ROW_LOOP_MAX:
             return row_by_row(x, lambda row: _gemv(row, blocks))
         if blocks[0].kernel == "cpu":  # prefill
-            return _tiles(x, blocks, max(1, PREFILL_TILE_PARAMS // max(b.shape[1] for b in blocks)))
+            return _tiles(x, blocks, PREFILL_TILE_PARAMS // max(b.shape[1] for b in blocks))  # >= 64 rows: `_tile_rows`
         dtype = blocks[0].compute_dtype
         q = concat_columns([b.q for b in blocks])
         y = lax.dot_general(x.astype(dtype), q.astype(dtype), (((1,), (1,)), ((), ())), preferred_element_type=F32)
