@@ -18,9 +18,11 @@ from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.executables import STORE_DIR
-from gemmax.engine.generate import generate
+from gemmax.engine.generate import _step, generate
 from gemmax.engine.loading import load_model
+from gemmax.engine.sampling import SamplingState
 from gemmax.engine.shapes import plan_chunks
+from gemmax.model.kv_cache import init_cache
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,31 @@ def test_plan_chunks_covers_long_prompts_with_declared_buckets():
         full, rest = divmod(length - 1, 2048)
         rest += 1
         assert cost(plan) <= cost([(2048, 2048)] * full + [(rest, next(b for b in default if b >= rest))])
+
+
+def test_generate_pads_prompts_to_a_few_compiled_shapes_with_the_unpadded_tokens(loaded):
+    """`gemmax generate` prefills a prompt padded to a power of two (at least 16): prompts of 3, 11, 16
+    and 17 tokens compile two prefills and one decode step, not one prefill per length, and every
+    prompt gets the greedy tokens of the same steps run on the unpadded prompt."""
+    ck, precision = loaded.checkpoint, loaded.policy.precision()
+
+    def unpadded(prompt, max_tokens):
+        cache = init_cache(ck.config, 1, 256, precision.kv_cache)
+        state, tokens, start, out = SamplingState.empty(1, ck.config.vocab_size), [prompt], 0, []
+        for _ in range(max_tokens):
+            ids, cache, state = _step(
+                ck.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray([start], jnp.int32),
+                jnp.asarray([len(tokens[0])], jnp.int32), state, config=ck.config, precision=precision)
+            start += len(tokens[0])
+            tokens = [[int(np.asarray(ids)[0])]]
+            out.append(tokens[0][0])
+        return out
+
+    prompts = [list(range(1, 1 + n)) for n in (3, 11, 16, 17)]
+    expected = [unpadded(p, 5) for p in prompts]
+    _step.clear_cache()
+    assert [_reference(loaded, p, 5) for p in prompts] == expected
+    assert _step._cache_size() == 3  # prefill 16, prefill 32, decode
 
 
 def test_batched_greedy_equals_generate_alone_for_any_mix(engine, loaded):
