@@ -203,9 +203,15 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
         found, proven = _window(values, ids, t, k, top_p, min_p, mass, u)
         return found, proven | (values.shape[-1] >= V)  # a window of the whole row holds every kept set
 
-    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best _TIERS[tier] entries, then wider
-        found, proven = window(*_candidates(blocks, block_max, min(_TIERS[tier], x.shape[-1])))
-        if tier + 1 < len(_TIERS):
+    # The windows this vocabulary has: one that holds the whole row proves every row, so no wider
+    # window or sort follows it (a 128-token vocabulary compiles two windows and no sort).
+    tiers = sorted({min(size, x.shape[-1]) for size in _TIERS})
+
+    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best tiers[tier] entries, then wider
+        found, proven = window(*_candidates(blocks, block_max, tiers[tier]))
+        if tiers[tier] >= V:
+            return found
+        if tier + 1 < len(tiers):
             wider = lambda: filtered_ids(tier + 1)  # noqa: E731
         else:
             wider = lambda: window(*jax.lax.top_k(x, x.shape[-1]))[0]  # noqa: E731  the full sort
