@@ -616,32 +616,3 @@ def test_a_dispatch_enqueues_no_step_that_no_row_can_use(engine, loaded, monkeyp
     assert result.finish_reason == "stop" and list(result.token_ids) == greedy[:stop_index]
     assert enqueued[0] - before <= stop_index + 1  # the steps up to the stop, and the one in flight
 
-
-def test_an_arrival_is_admitted_after_the_step_in_flight(engine, loaded, monkeypatch):
-    """A request that arrives while others decode, with a slot free, is prefilled after the decode step
-    in flight, not after the rest of the dispatch; both give their tokens alone."""
-    monkeypatch.setattr(engine, "steps_per_dispatch", 8)
-    original_deliver, original_prefill = engine._deliver, engine._run_prefill
-    given: list[int] = []  # tokens delivered to the running request
-    marks: dict[str, int] = {}
-    arrival_prompt = (36, 37)
-
-    def deliver(out, slot_of):
-        original_deliver(out, slot_of)
-        given.append(1)
-        if len(given) == 3 and "submitted" not in marks:  # inside a dispatch: the arrival comes now
-            marks["submitted"] = len(given)
-            arrivals.append(engine.submit(GenerationRequest(arrival_prompt, 3, ignore_eos=True)))
-
-    def prefill(tokens, *args):
-        if tuple(int(t) for t in tokens[0, :2]) == arrival_prompt and "prefilled" not in marks:
-            marks["prefilled"] = len(given)
-        return original_prefill(tokens, *args)
-
-    arrivals: list = []
-    monkeypatch.setattr(engine, "_deliver", deliver)
-    monkeypatch.setattr(engine, "_run_prefill", prefill)
-    running = engine.submit(GenerationRequest((38, 39, 40), 24, ignore_eos=True))
-    assert list(running.wait().token_ids) == _reference(loaded, (38, 39, 40), 24)
-    assert list(arrivals[0].wait().token_ids) == _reference(loaded, arrival_prompt, 3)
-    assert marks["prefilled"] - marks["submitted"] <= 1, marks  # the step in flight, and no more
