@@ -582,37 +582,3 @@ def test_the_wait_queue_is_bounded(engine, monkeypatch):
         handle.cancel()
         handle.wait()
     assert engine.submit(GenerationRequest((7, 3), 2)).wait().finish_reason in ("length", "stop")
-
-
-def _count_decode_steps(engine, monkeypatch) -> list[int]:
-    """[steps enqueued so far]: every decode step the engine enqueues builds its arguments once."""
-    count = [0]
-    original = engine._decode_args
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_decode_args", counted)
-    return count
-
-
-def test_a_dispatch_enqueues_no_step_that_no_row_can_use(engine, loaded, monkeypatch):
-    """A request's last dispatch stops at its budget, and a stop token ends the dispatch after the step
-    in flight: the next request's prefill never waits behind steps computed for nothing (a 2-token
-    request once left 7 of an 8-step dispatch running)."""
-    monkeypatch.setattr(engine, "steps_per_dispatch", 8)
-    enqueued = _count_decode_steps(engine, monkeypatch)
-    prompt = (33, 34, 35)
-    greedy = _reference(loaded, prompt, 12)
-    for max_tokens in (2, 5):  # the first token comes from the prefill, the rest from decode steps
-        before = enqueued[0]
-        result = engine.submit(GenerationRequest(prompt, max_tokens, ignore_eos=True)).wait()
-        assert list(result.token_ids) == greedy[:max_tokens]
-        assert enqueued[0] - before == max_tokens - 1
-    stop_index = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])
-    before = enqueued[0]
-    result = engine.submit(GenerationRequest(prompt, 12, stop_token_ids=(greedy[stop_index],))).wait()
-    assert result.finish_reason == "stop" and list(result.token_ids) == greedy[:stop_index]
-    assert enqueued[0] - before <= stop_index + 1  # the steps up to the stop, and the one in flight
-

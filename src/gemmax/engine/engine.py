@@ -30,12 +30,10 @@ compile on first use, not in warm-up (`_constrained_report`, docs/structured.md)
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches (a prompt of several
-chunks, prefilled alone while others decode, runs one chunk per loop iteration: `_prefilling`), then runs
-up to `steps_per_dispatch` decode steps with one step always enqueued ahead of the host (JAX
-dispatch is asynchronous: the device never waits for the host between them), streams each step's
-tokens as soon as that step is done, and frees the slots of finished or cancelled requests at once.
-A dispatch enqueues no step that no row can use (`_tokens_owed`) and none after every row has ended
-(`_decode_free`).
+chunks, prefilled alone while others decode, runs one chunk per loop iteration: `_prefilling`), then enqueues
+`steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
+waits for the host between them), streams each step's tokens as soon as that step is done, and
+frees the slots of finished or cancelled requests at once.
 
 Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
 calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
@@ -610,14 +608,21 @@ class BatchEngine:
                 {"config": self.config, "precision": self.precision, "kv_len": kv_len})
 
     @_replayed
-    def _dispatch_decode(self, want_logprobs: np.ndarray, rows: np.ndarray | None, kv_len: int):
-        """Enqueue one decode step for all slots, or for the group `rows`, with log-probs for the slots
-        `want_logprobs` [slots] marks; returns its outputs (per slot, or per row of `rows`) as device
-        arrays, still being computed. `kv_len` must cover every active row's position after it."""
+    def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
+                         kv_len: int | None = None):
+        """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
+        slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
+        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
+        computed. `kv_len` must cover every active row's position through the last of these steps."""
+        outputs = []
+        want = jnp.asarray(want_logprobs)
+        kv_len = kv_len or self.max_model_len
         step = self.steps.decode_step if rows is None else self.steps.decode_rows
-        args, statics = self._decode_args(jnp.asarray(want_logprobs), rows, kv_len)
-        self.device, out = step(*args, **statics)
-        return out
+        for _ in range(steps):
+            args, statics = self._decode_args(want, rows, kv_len)
+            self.device, out = step(*args, **statics)
+            outputs.append(out)
+        return outputs
 
     def _forward(self, rows: jax.Array | None, kv_len: int) -> jax.Array:
         """Enqueue the forward half of a decode step (constrained decoding); returns its logits."""
@@ -965,40 +970,14 @@ class BatchEngine:
         constrained = any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of)
         if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
             return
-        steps = min(self.steps_per_dispatch, self._tokens_owed(slot_of))
+        steps = self.steps_per_dispatch
         kv_len = self._kv_bound_after(steps)
         if constrained:
             self._decode_constrained(steps, rows, slot_of, kv_len)
         else:  # the mask-free step: no row waits for the host's masks
-            self._decode_free(steps, rows, slot_of, kv_len)
+            for out in self._dispatch_decode(steps, self.want_logprobs, rows, kv_len):
+                self._deliver(out, slot_of)  # each step's tokens go out while the device runs the next
         self._reap_cancelled()
-
-    def _tokens_owed(self, slot_of) -> int:
-        """The most tokens a running row of `slot_of` may still produce (its budget less its tokens):
-        a dispatch of more steps would end with steps that no row can use, which the next request's
-        prefill would wait behind (a 2-token request once left 3 of a 4-step dispatch running)."""
-        return max(s.budget - len(s.tokens) for i in slot_of if (s := self._slots[i]) is not None)
-
-    def _decode_free(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
-        """Up to `steps` mask-free decode steps, one always enqueued ahead of the host: step n + 1 is
-        enqueued before step n's tokens are fetched and delivered, so the device never waits for the
-        host, and no further step is enqueued once every row of the group has ended (a stop token:
-        at most the step in flight is computed for nothing).
-
-        Tried and dropped (2026-12-04): also ending the dispatch when a queued request could take a
-        free slot, so it is admitted after the step in flight. A lone arrival waited less (engine
-        alone: at most 45-53 ms instead of 86-99 ms), but requests arriving together over a few
-        milliseconds were admitted in smaller prefill groups: from the wire, 8 concurrent 41-token
-        requests on the built-in model had a median TTFT of 1,047 / 1,073 ms against 914 / 911 ms
-        (two alternating rounds each)."""
-        pending = self._dispatch_decode(self.want_logprobs, rows, kv_len)
-        for _ in range(steps - 1):
-            following = self._dispatch_decode(self.want_logprobs, rows, kv_len)
-            self._deliver(pending, slot_of)  # its tokens go out while the device runs the next step
-            pending = following
-            if all(self._slots[i] is None for i in slot_of):
-                break  # every row ended: the step in flight was for nothing, and no more follow
-        self._deliver(pending, slot_of)
 
     def _kv_bound_after(self, tokens: int) -> int:
         """The KV-length bucket that holds every running row's cache after `tokens` more positions
