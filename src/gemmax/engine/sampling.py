@@ -200,10 +200,9 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
         return _draw(block_mass, lambda j: weights(_take_block(blocks, j)[:, None])[:, 0], u)
 
     def window(values, ids):
-        found, proven = _window(values, ids, t, k, top_p, min_p, mass, u)
-        return found, proven | (values.shape[-1] >= V)  # a window of the whole row holds every kept set
+        return _window(values, ids, t, k, top_p, min_p, mass, u)
 
-    # The windows this vocabulary has: one that holds the whole row proves every row, so no wider
+    # The windows this vocabulary has: one that holds the whole row holds every kept set, so no wider
     # window or sort follows it (a 128-token vocabulary compiles two windows and no sort).
     tiers = sorted({min(size, x.shape[-1]) for size in _TIERS})
 
