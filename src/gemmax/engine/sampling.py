@@ -202,15 +202,12 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
     def window(values, ids):
         return _window(values, ids, t, k, top_p, min_p, mass, u)
 
-    # The windows this vocabulary has: one that holds the whole row holds every kept set, so no wider
-    # window or sort follows it (a 128-token vocabulary compiles two windows and no sort).
-    tiers = sorted({min(size, x.shape[-1]) for size in _TIERS})
-
-    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best tiers[tier] entries, then wider
-        found, proven = window(*_candidates(blocks, block_max, tiers[tier]))
-        if tiers[tier] >= V:
-            return found
-        if tier + 1 < len(tiers):
+    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best _TIERS[tier] entries, then wider
+        size = min(_TIERS[tier], x.shape[-1])
+        found, proven = window(*_candidates(blocks, block_max, size))
+        if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
+            return found  # (a 128-token vocabulary compiles two windows and no sort)
+        if tier + 1 < len(_TIERS):
             wider = lambda: filtered_ids(tier + 1)  # noqa: E731
         else:
             wider = lambda: window(*jax.lax.top_k(x, x.shape[-1]))[0]  # noqa: E731  the full sort
