@@ -168,6 +168,17 @@ def test_ties_at_the_top_k_boundary_keep_the_lower_indices():
     np.testing.assert_array_equal(drawn, np.arange(70))
 
 
+@pytest.mark.parametrize(("top_k", "top_p", "kept"), [(1100, 1.0, 1100), (0, 0.9, 1152)])
+def test_ties_beyond_every_window_keep_the_lower_indices(top_k, top_p, kept):
+    """A row of 1,280 tied logits, cut beyond the widest window (the whole-row thresholds): top_k 1100
+    keeps 0..1099; top_p 0.9 keeps each token whose predecessors in index order hold under 0.9 of the
+    mass, 0..1151. 20,000 draws: a token kept one too many would be drawn ~18 times."""
+    assert kept > _TIERS[-1]
+    drawn = _draws(np.ones(1280, np.float32), 1.0, top_k, top_p, 0.0, 20_000)
+    assert drawn.min() >= 0 and drawn.max() == kept - 1
+    assert len(np.unique(drawn)) > 0.95 * kept
+
+
 def test_a_row_draws_the_same_token_whatever_shares_the_batch():
     """Each row's token depends only on its logits, settings and seed: the same rows alone, or beside
     rows that need the 1,024-entry window, the full sort or the whole-row draw, give the same ids."""

@@ -322,8 +322,8 @@ def serve(
 ) -> None:
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming.
 
-    Start-up of the built-in model on a 2-core CPU (README "Start-up"): about 5 min with an empty
-    compile cache (34 programs compiled), about 35 s with a warm one (loaded, not compiled)."""
+    Start-up of the built-in model on a 2-core CPU (README "Start-up"): about 4 min with an empty
+    compile cache (34 programs compiled), about 30 s with a warm one (loaded, not compiled)."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
