@@ -417,12 +417,12 @@ def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
 
 
 def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
-    """decode_rows with a KV-length bound below the cache (full layers) and below the sliding ring
-    (window 4, positions 0-2) moves only those slots of its rows, and gives the outputs and the cache
-    of the unbounded step."""
+    """A group's decode step (decode_forward of the rows, then decode_sample) with a KV-length bound
+    below the cache (full layers) and below the sliding ring (window 4, positions 0-2) moves only
+    those slots of its rows, and gives the outputs and the cache of the unbounded step."""
     import jax
 
-    from gemmax.engine.steps import decode_rows, init_device_state
+    from gemmax.engine.steps import decode_forward, decode_sample, init_device_state
 
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
     assert config.sliding_window == 4
@@ -433,7 +433,8 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
         want = jnp.zeros(4, jnp.bool_)
         outs = []
         for _ in range(3):  # positions 0, 1, 2: kv_len 3 covers them all
-            device, out = decode_rows(params, device, want, rows, config=config, precision=precision, kv_len=kv_len)
+            device, logits = decode_forward(params, device, rows, config=config, precision=precision, kv_len=kv_len)
+            device, out = decode_sample(device, logits, want, None, rows)
             outs.append(jax.device_get(out[:2]))
         results[kv_len] = (outs, jax.device_get(device.cache))
     (outs_all, cache_all), (outs_bound, cache_bound) = results[None], results[3]

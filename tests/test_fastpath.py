@@ -215,16 +215,16 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
 
 
 def test_engine_small_group_decode_gets_the_fast_path(six_layers):
-    """decode_rows (one active request among 8 slots) gathers its rows and still reads every matrix fast."""
-    from gemmax.engine.steps import decode_rows, init_device_state
+    """A group's decode forward (one active request among 8 slots) gathers its rows and still reads
+    every matrix fast."""
+    from gemmax.engine.steps import decode_forward, init_device_state
 
     config, _, params = six_layers
     precision = CPU.precision()
     device = jax.eval_shape(lambda: init_device_state(config, 8, 1024, precision))
     cache = device.cache
-    hlo = decode_rows.lower(params, device, jax.ShapeDtypeStruct((8,), jnp.bool_),
-                            jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
-                            precision=precision, kv_len=256).compile().as_text()
+    hlo = decode_forward.lower(params, device, jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
+                               precision=precision, kv_len=256).compile().as_text()
     assert check_decode_hlo(hlo, 1) == []
     assert cache_rewrites(hlo, _cache_shapes(cache)) == []
 
@@ -246,10 +246,10 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
     device = jax.eval_shape(lambda: steps.init_device_state(config, 8, 1024, precision, ring_slack=4))
     i32, flag = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_)
     if step == "prefill_step":
-        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag, flag)
+        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag)
     elif step == "prefill_rows":
         args = (jax.ShapeDtypeStruct((2, 64), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32), i32,
-                jax.ShapeDtypeStruct((2,), jnp.int32), flag, jax.ShapeDtypeStruct((2,), jnp.bool_))
+                jax.ShapeDtypeStruct((2,), jnp.int32), flag)
     else:
         args = (jax.ShapeDtypeStruct((8,), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.int32),
                 jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
@@ -283,10 +283,10 @@ def test_prefill_computes_the_head_only_on_the_last_chunk(six_layers, step):
     device = jax.eval_shape(lambda: steps.init_device_state(config, 8, 1024, precision))
     i32, flag = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_)
     if step == "prefill_step":
-        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag, flag)
+        args = (jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, i32, i32, flag)
     else:
         args = (jax.ShapeDtypeStruct((2, 64), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32), i32,
-                jax.ShapeDtypeStruct((2,), jnp.int32), flag, jax.ShapeDtypeStruct((2,), jnp.bool_))
+                jax.ShapeDtypeStruct((2,), jnp.int32), flag)
     prefill = HloIndex.read(getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
                                                         kv_len=256).compile().as_text())
     decode = HloIndex.read(steps.decode_step.lower(params, device, jax.ShapeDtypeStruct((8,), jnp.bool_),

@@ -209,9 +209,9 @@ def test_mtp_candidates_match_transformers(mtp_files, hf_target, ordered):
     device = init_device_state(config, 1, 64, precision, ring_slack=K + 1 + 4, hidden=True)
     tokens = np.zeros((1, 16), np.int32)
     tokens[0, :P] = PROMPT
-    device, (token, *_) = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(P),
-                                       jnp.bool_(True), jnp.bool_(False), config=config, precision=precision)
-    assert int(token) == greedy[0]
+    device, logits = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(P),
+                                  jnp.bool_(True), config=config, precision=precision)
+    assert int(jnp.argmax(logits[0])) == greedy[0]
     np.testing.assert_allclose(np.asarray(device.hidden[0]), first.hidden_states[-1][0, -1].numpy(), atol=2e-4, rtol=2e-4)
     device = device.with_slot(0, token=greedy[0], position=P, remaining=50)
     drafted = propose(device)
@@ -291,7 +291,7 @@ def _from_scratch_logits(target, assistant, context, proposals):
     tokens = np.zeros((1, 192), np.int32)
     tokens[0, :n] = context[:n]
     device, _ = prefill_step(params, device, jnp.asarray(tokens), jnp.int32(0), jnp.int32(0), jnp.int32(n),
-                             jnp.bool_(True), jnp.bool_(False), config=config, precision=precision)
+                             jnp.bool_(True), config=config, precision=precision)
     device = device.with_slot(0, token=int(context[n]), position=n, remaining=1)
     rows = jnp.zeros(1, jnp.int32)
     shared = shared_kv(device, rows, config, precision.activation, None)

@@ -12,21 +12,28 @@ reports ready, without running them, and kept on disk as executables that the ne
                       position 0, in one forward (rows x bucket within the largest bucket; g a
                       decode group size >= 2; `ShapePlan.prefill_groups`): requests that arrive
                       together are prefilled together, reading the weights once, not g times
+    first_tokens[g]   after a prompt's last chunk, its first token from that chunk's logits: one
+                      sampler program per row count (1 and the batched groups), shared by every
+                      bucket and KV bound
     prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
                       the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
                       per block-count bucket, compiled on first use, not at warm-up)
-    decode            tokens [max_batch, 1], one step for every slot (idle slots write nothing)
-    decode_rows[k]    the same for a group of k < max_batch slots (k = 1, 2, 4, ...), used when few
-                      requests are running: a decode step's cost grows with its batch
+    decode_forward    tokens [max_batch, 1], the forward of one step for every slot (idle slots
+                      write nothing) -> logits [max_batch, V]; or of a group of k < max_batch slots
+                      (k = 1, 2, 4, ...), used when few requests are running: a decode step's cost
+                      grows with its batch
+    decode_sample[k]  the step's sampling, one program per group size whatever the KV bound: every
+                      decode step is these two dispatches (the sampler was about half of each
+                      fused step's compile time; splitting cost nothing measurable per step)
     verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
                       proposal length k in SPEC_KS: one step scores k proposed tokens per row
-    x kv_len          each decode shape per KV-length bucket (256, 1024, 4096 ... max_model_len), and
+    x kv_len          each decode forward per KV-length bucket (256, 1024, 4096 ... max_model_len), and
                       each prefill shape per bucket its chunk start can need: a step reads only the
                       cache slots its context can use (full layers; rings not yet wrapped)
 
-While a constrained request runs, each decode step is two dispatches (`decode_forward` per decode
-shape, `decode_sample` per group; `_decode_constrained`): these shapes, and the masked prefill,
-compile on first use, not in warm-up (`_constrained_report`, docs/structured.md).
+While a constrained request runs, the host fills each step's token masks while the forward runs
+(`_decode_constrained`): `decode_sample` with a mask (per group) and the masked prefill compile on
+first use, not in warm-up (`_constrained_report`, docs/structured.md).
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches (a prompt of several
@@ -65,6 +72,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gemmax.engine import compile_cache
 from gemmax.engine.api import (
@@ -95,9 +103,8 @@ from gemmax.engine.speculative import RequestSpeculation
 from gemmax.engine.steps import (
     DeviceState,
     decode_forward,
-    decode_rows,
     decode_sample,
-    decode_step,
+    first_tokens,
     init_device_state,
     prefill_rows,
     prefill_step,
@@ -110,7 +117,7 @@ from gemmax.model.forward import Precision
 log = logging.getLogger("gemmax.engine")
 
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
-COMPILED_STEPS = ("prefill_step", "prefill_rows", "decode_step", "decode_rows", "decode_forward", "decode_sample", "verify_rows")
+COMPILED_STEPS = ("prefill_step", "prefill_rows", "first_tokens", "decode_forward", "decode_sample", "verify_rows")
 
 
 def _replayed(method):
@@ -226,8 +233,8 @@ class BatchEngine:
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
-        self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, decode_step=decode_step,
-                                           decode_rows=decode_rows, decode_forward=decode_forward,
+        self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, first_tokens=first_tokens,
+                                           decode_forward=decode_forward,
                                            decode_sample=decode_sample, verify_rows=verify_rows,
                                            init_device_state=init_device_state)
         self.mesh = None
@@ -298,11 +305,11 @@ class BatchEngine:
         return {**info, "constrained_decode": self._constrained_report()}
 
     def _constrained_report(self) -> dict[str, Any]:
-        """Constrained decoding's own shapes (`decode_forward` per decode shape, `decode_sample` per
-        group) are not warmed up: warm-up compiles only what every request can need (start-up time
-        matters to everyone, constraints to some), so the first constrained request of each shape
-        compiles it (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
-        declared = len(self.shapes.decode_shapes) + len(self.shapes.decode_groups)
+        """Constrained decoding's own shapes (`decode_sample` with a mask, per group) are not warmed
+        up: warm-up compiles only what every request can need (start-up time matters to everyone,
+        constraints to some), so the first constrained request of each group size compiles it
+        (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
+        declared = len(self.shapes.decode_groups)
         return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_shapes)}
 
     def _describe(self) -> dict[str, Any]:
@@ -475,17 +482,24 @@ class BatchEngine:
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
         """(step, args, statics) of every declared shape, built as the device calls build them: every
-        (bucket, KV bound) pair a prompt's chunks can need, every (decode group, KV bound), and the
-        verify steps of speculative decoding."""
-        calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True, False))
+        (bucket, KV bound) pair a prompt's chunks can need, the decode forward of every (decode
+        group, KV bound) and the decode sampling of every group, and the verify steps of
+        speculative decoding."""
+        calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True))
                  for (bucket, _), start in self.shapes.prefill_shapes().items()]
         calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows), 0,
-                                                            np.zeros(rows, np.int32), True, np.zeros(rows, np.bool_)))
+                                                            np.zeros(rows, np.int32), True))
                   for rows, bucket in self.shapes.prefill_groups]
+        for rows in sorted({1, *(rows for rows, _ in self.shapes.prefill_groups)}):
+            calls.append(("first_tokens", *self._first_tokens_args(self._logits_like(rows), np.arange(rows),
+                                                                   np.zeros(rows, np.bool_), np.ones(rows, np.bool_))))
+        want = jnp.asarray(self.want_logprobs)
+        for size in self.shapes.decode_groups:
+            rows = self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
+            calls.append(("decode_sample", (self.device, self._logits_like(size), want, None, rows), {}))
         for size, kv_len in self.shapes.decode_shapes:
-            rows = None if size == self.max_batch else np.arange(size, dtype=np.int32)
-            calls.append(("decode_step" if rows is None else "decode_rows",
-                          *self._decode_args(jnp.asarray(self.want_logprobs), rows, kv_len)))
+            rows = self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
+            calls.append(("decode_forward", *self._forward_args(rows, kv_len)))
             if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
                 calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32),
                                                              np.zeros((size, k), np.int32), np.zeros(size, np.int32),
@@ -562,43 +576,78 @@ class BatchEngine:
         """Slot `slot`'s token, position or remaining budget (DeviceState.with_slot)."""
         self.device = self.device.with_slot(slot, **values)
 
-    def _prefill_args(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
-                      want_logprobs: bool, mask: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
+    def _prefill_args(self, tokens: np.ndarray, slot: int, start: int, num_new: int,
+                      last_chunk: bool) -> tuple[tuple, dict[str, Any]]:
         return ((self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
-                 jnp.bool_(last_chunk), jnp.bool_(want_logprobs), None if mask is None else jnp.asarray(mask)),
+                 jnp.bool_(last_chunk)),
                 {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_bound(start)})
 
     @_replayed
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
                      want_logprobs: bool, mask: np.ndarray | None = None):
+        """One chunk of a one-slot prefill (steps.prefill_step), and on the prompt's last chunk its
+        first token (`_first_tokens`); returns that token's outputs ([1]-shaped, still being computed;
+        None before the last chunk) and whether a shape compiled now."""
         before = self.steps.prefill_step.size()
-        args, statics = self._prefill_args(tokens, slot, start, num_new, last_chunk, want_logprobs, mask)
-        self.device, out = self.steps.prefill_step(*args, **statics)
-        return out, self.steps.prefill_step.size() != before
+        args, statics = self._prefill_args(tokens, slot, start, num_new, last_chunk)
+        self.device, logits = self.steps.prefill_step(*args, **statics)
+        compiled = self.steps.prefill_step.size() != before
+        if not last_chunk:
+            return None, compiled
+        out, new = self._first_tokens(logits, np.asarray([slot]), np.asarray([want_logprobs]), np.ones(1, np.bool_),
+                                      mask)
+        return out, compiled or new
 
     def _prefill_rows_args(self, tokens: np.ndarray, rows: np.ndarray, start: int, num_new: np.ndarray,
-                           last_chunk: bool, want_logprobs: np.ndarray) -> tuple[tuple, dict[str, Any]]:
+                           last_chunk: bool) -> tuple[tuple, dict[str, Any]]:
         return ((self.params, self.device, jnp.asarray(tokens), jnp.asarray(rows, jnp.int32), jnp.int32(start),
-                 jnp.asarray(num_new), jnp.bool_(last_chunk), jnp.asarray(want_logprobs)),
+                 jnp.asarray(num_new), jnp.bool_(last_chunk)),
                 {"config": self.config, "precision": self.precision, "kv_len": self.shapes.group_kv})
 
     @_replayed
     def _run_prefill_rows(self, tokens: np.ndarray, rows: np.ndarray, start: int, num_new: np.ndarray,
                           last_chunk: bool, want_logprobs: np.ndarray):
-        """One chunk of a batched prefill (steps.prefill_rows); returns its outputs per row, still
-        being computed, and whether its shape compiled now."""
+        """One chunk of a batched prefill (steps.prefill_rows), and on the prompts' last chunk their
+        first tokens; returns those outputs per row (still being computed; None before the last
+        chunk) and whether a shape compiled now."""
         before = self.steps.prefill_rows.size()
-        args, statics = self._prefill_rows_args(tokens, rows, start, num_new, last_chunk, want_logprobs)
-        self.device, out = self.steps.prefill_rows(*args, **statics)
-        return out, self.steps.prefill_rows.size() != before
+        args, statics = self._prefill_rows_args(tokens, rows, start, num_new, last_chunk)
+        self.device, logits = self.steps.prefill_rows(*args, **statics)
+        compiled = self.steps.prefill_rows.size() != before
+        if not last_chunk:
+            return None, compiled
+        out, new = self._first_tokens(logits, rows, want_logprobs, num_new > 0)
+        return out, compiled or new
 
-    def _decode_args(self, want: jax.Array, rows: np.ndarray | None, kv_len: int) -> tuple[tuple, dict[str, Any]]:
-        """decode_step's (every slot: `rows` None) or decode_rows' arguments."""
-        statics = {"config": self.config, "precision": self.precision, "kv_len": kv_len,
-                   "row_invariant": self.batch_invariant}
-        if rows is None:
-            return (self.params, self.device, want), statics
-        return (self.params, self.device, want, jnp.asarray(rows, jnp.int32)), statics
+    def _first_tokens_args(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray, take: np.ndarray,
+                           mask: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
+        return ((self.device, logits, jnp.asarray(want_logprobs), jnp.asarray(rows, jnp.int32), jnp.asarray(take),
+                 None if mask is None else jnp.asarray(mask)), {})
+
+    def _first_tokens(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray, take: np.ndarray,
+                      mask: np.ndarray | None = None):
+        """Draw the first token of the prompts prefilled into `rows` from their last chunk's logits
+        (steps.first_tokens; the rows with `take` false are padding); (outputs per row, compiled now)."""
+        before = self.steps.first_tokens.size()
+        self.device, out = self.steps.first_tokens(*self._first_tokens_args(logits, rows, want_logprobs, take, mask)[0])
+        return out, self.steps.first_tokens.size() != before
+
+    def _logits_like(self, rows: int) -> jax.Array:
+        """Zero logits [rows, V] f32 placed as a forward returns them (replicated on a mesh): the
+        sampler programs are compiled ahead of the forwards that feed them."""
+        zeros = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
+        return zeros if self.mesh is None else jax.device_put(zeros, NamedSharding(self.mesh, PartitionSpec()))
+
+    @staticmethod
+    def _group_rows(rows: np.ndarray | None) -> jax.Array | None:
+        """A decode group's slots as the steps take them (None: every slot)."""
+        return None if rows is None else jnp.asarray(rows, jnp.int32)
+
+    def _forward_args(self, rows: jax.Array | None, kv_len: int) -> tuple[tuple, dict[str, Any]]:
+        """decode_forward's arguments for every slot (`rows` None) or the group `rows`."""
+        return ((self.params, self.device, rows),
+                {"config": self.config, "precision": self.precision, "kv_len": kv_len,
+                 "row_invariant": self.batch_invariant})
 
     def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
                      drafted: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -613,22 +662,22 @@ class BatchEngine:
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
         returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
-        computed. `kv_len` must cover every active row's position through the last of these steps."""
+        computed. `kv_len` must cover every active row's position through the last of these steps.
+        Each step is two dispatches: the forward (logits), then the sampling."""
         outputs = []
         want = jnp.asarray(want_logprobs)
         kv_len = kv_len or self.max_model_len
-        step = self.steps.decode_step if rows is None else self.steps.decode_rows
+        group = self._group_rows(rows)
         for _ in range(steps):
-            args, statics = self._decode_args(want, rows, kv_len)
-            self.device, out = step(*args, **statics)
+            logits = self._forward(group, kv_len)
+            self.device, out = self.steps.decode_sample(self.device, logits, want, None, group)
             outputs.append(out)
         return outputs
 
     def _forward(self, rows: jax.Array | None, kv_len: int) -> jax.Array:
-        """Enqueue the forward half of a decode step (constrained decoding); returns its logits."""
-        self.device, logits = self.steps.decode_forward(self.params, self.device, rows, config=self.config,
-                                                        precision=self.precision, kv_len=kv_len,
-                                                        row_invariant=self.batch_invariant)
+        """Enqueue the forward half of a decode step; returns its logits."""
+        args, statics = self._forward_args(rows, kv_len)
+        self.device, logits = self.steps.decode_forward(*args, **statics)
         return logits
 
     def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
@@ -643,9 +692,9 @@ class BatchEngine:
         `_finish` zeroes its budget before that step's sampling, which then leaves the row as it is
         (as the free path does with the steps already enqueued after a stop)."""
         want = jnp.asarray(self.want_logprobs)
-        group = None if rows is None else jnp.asarray(rows, jnp.int32)
+        group = self._group_rows(rows)
         size = len(slot_of)
-        shapes = {("forward", size, kv_len), ("sample", size)}
+        shapes = {("sample", size)}
         if not shapes <= self._constrained_shapes:  # this dispatch compiles: its rows' timings say so
             self._constrained_shapes |= shapes
             for i in slot_of:
@@ -930,7 +979,8 @@ class BatchEngine:
             if not last and self._decoding() and self._budget_left < entry.chunks[entry.next][1]:
                 return
         del self._prefilling[slot_index]
-        self._begin(slot_index, slot, *jax.device_get(entry.out))
+        ids, lps, top_ids, top_lps = jax.device_get(entry.out)
+        self._begin(slot_index, slot, ids[0], lps[0], top_ids[0], top_lps[0])
 
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest

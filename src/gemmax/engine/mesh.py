@@ -110,8 +110,8 @@ class MeshSteps:
 
     mesh: Mesh
     prefill_step: Any
+    first_tokens: Any
     decode_step: Any
-    decode_rows: Any
     decode_forward: Any
     decode_sample: Any
     init_device_state: Any
@@ -147,8 +147,8 @@ def mesh_steps(mesh: Mesh, config: ModelConfig, slots: int, max_len: int, precis
 
     init = jax.jit(steps.init_device_state, static_argnums=(0, 1, 2, 3), out_shardings=state)
     return MeshSteps(mesh=mesh, prefill_step=jit(steps.prefill_step, steps.PREFILL_STATIC),
+                     first_tokens=jit(steps.first_tokens, ()),
                      decode_step=jit(steps.decode_step, steps.DECODE_STATIC),
-                     decode_rows=jit(steps.decode_rows, steps.DECODE_STATIC),
                      decode_forward=jit(steps.decode_forward, steps.DECODE_STATIC),
                      decode_sample=jit(steps.decode_sample, ()), init_device_state=init)
 

@@ -1,10 +1,14 @@
 """The jitted device steps of the batching engine: prefill of one chunk into one slot, prefill of
-several whole short prompts into several slots in one forward (`prefill_rows`), a decode step
-of every slot, a decode step of a group of slots (or, for constrained decoding, the same step
-as two dispatches: `decode_forward`, `decode_sample`), and the speculative verify step of a group
-of slots, over one `DeviceState` pytree that each donates and returns. Each takes `config`,
-`precision` and `kv_len` (the cache slots it reads) as static arguments, so the
-engine's compiled shapes are exactly the (bucket | group) x kv_len pairs it warms up.
+several whole short prompts into several slots in one forward (`prefill_rows`), both returning the
+last chunk's logits, from which `first_tokens` draws each prompt's first token (one sampler program
+per row count, not a copy in every bucket and KV bound's program), a decode step of
+every slot or of a group of slots as two dispatches (`decode_forward`: cache write and logits, per
+group and KV bound; `decode_sample`: the draw, per group, so every KV bound shares one sampler
+program), and the speculative verify step of a group of slots, over one `DeviceState` pytree that
+each donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads)
+as static arguments, so the engine's compiled shapes are exactly the (bucket | group) x kv_len
+pairs it warms up. `decode_step` is the two halves of a full-batch step in one program: what the
+profiler traces and the decode benchmarks time (one module per step).
 
 Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
 rows at once (a GEMM), which sums in another order than the one-row matrix-vector form, so a greedy
@@ -98,47 +102,51 @@ DECODE_STATIC = (*PREFILL_STATIC, "row_invariant")
 
 
 @functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
-def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, want_logprobs, mask=None, *,
-                 config, precision, kv_len=None):
-    """Prefill one chunk [1, bucket] of slot `slot`. On the prompt's last chunk (`last_chunk`, traced:
-    no extra shape) sample the row's first token from its last real position; earlier chunks leave
-    the row's sampling state (step counter, penalty counts) untouched. Returns (device, (id, logprob,
-    top ids, top logprobs)); the slot's token, position and budget are the scheduler's to set. `mask`
-    [1, ceil(V / 32)] i32: the allowed first tokens of a constrained request (None: free)."""
+def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last_chunk, *, config, precision,
+                 kv_len=None):
+    """Prefill one chunk [1, bucket] of slot `slot`. Returns (device, logits [1, V] f32 at the last
+    real position): computed on the prompt's last chunk only (`last_chunk`, traced: no extra shape;
+    earlier chunks skip the LM head), where `first_tokens` draws the row's first token from them.
+    The slot's token, position and budget are the scheduler's to set."""
     row_cache = device.cache.rows(slot)
     logits, row_cache, *h = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                     precision=precision, kv_len=kv_len, hidden=device.hidden is not None,
                                     head_on=last_chunk)
-    ids, lp, top_ids, top_lp, row_state = sample(logits, _rows(device.sampling, slot), want_logprobs[None],
-                                                 last_chunk[None], mask)
     hidden = device.hidden
     if hidden is not None:  # the first token's hidden state, on the prompt's last chunk
         hidden = _put_rows(hidden, _keep_hidden(_rows(hidden, slot), h[0], last_chunk[None]), slot)
-    device = dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot),
-                                 sampling=_put_rows(device.sampling, row_state, slot), hidden=hidden)
-    return device, (ids[0], lp[0], top_ids[0], top_lp[0])
+    return dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot), hidden=hidden), logits
 
 
 @functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
-def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last_chunk, want_logprobs, *, config,
-                 precision, kv_len):
+def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last_chunk, *, config, precision, kv_len):
     """One prefill chunk of several prompts at once: tokens [P, bucket] (row j's first num_new[j]
     real, the rest padding) into the slots `rows` [P] (distinct), every row's chunk starting at the
-    same position `start` (prompts with the same chunk plan: every chunk but the last is full). On
-    the prompts' last chunk (`last_chunk`) draw each row's first token. One forward over P x bucket
-    tokens reads the weights once for all P prompts, where P one-slot prefills read them P times.
-    Rows with num_new 0 are padding (any other slots, running or not): they write nothing and keep
-    their sampling state. Only the first `kv_len` cache slots of each row move, so every row's
-    start + bucket must be within kv_len. Returns (device, (ids, logprobs, top ids, top logprobs))
-    per row of `rows`."""
+    same position `start` (prompts with the same chunk plan: every chunk but the last is full).
+    One forward over P x bucket tokens reads the weights once for all P prompts, where P one-slot
+    prefills read them P times. Rows with num_new 0 are padding (any other slots, running or not):
+    they write nothing. Only the first `kv_len` cache slots of each row move, so every row's
+    start + bucket must be within kv_len. Returns (device, logits [P, V] f32), computed on the
+    prompts' last chunk (`last_chunk`) for `first_tokens`."""
     sub = _gather(device, rows, kv_len)
     starts = jnp.full(num_new.shape, start, jnp.int32)
     logits, cache, *h = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
                                 kv_len=kv_len, hidden=sub.hidden is not None, head_on=last_chunk)
-    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, (num_new > 0) & last_chunk)
     hidden = _keep_hidden(sub.hidden, h[0] if h else None, (num_new > 0) & last_chunk)
-    return _scatter(device, dataclasses.replace(sub, cache=cache, sampling=sampling, hidden=hidden), rows, kv_len), \
-        (ids, lp, top_ids, top_lp)
+    return _scatter(device, dataclasses.replace(sub, cache=cache, hidden=hidden), rows, kv_len), logits
+
+
+@functools.partial(jax.jit, donate_argnames=("device",))
+def first_tokens(device: DeviceState, logits, want_logprobs, rows, take, mask=None):
+    """The first token of the prompts just prefilled into the slots `rows` [P], from their last
+    chunk's logits [P, V] (`prefill_step`, `prefill_rows`): one sampler program per P, whatever the
+    bucket and KV bound. Rows with `take` [P] false (a batched prefill's padding rows) keep their
+    sampling state. `mask` [P, ceil(V / 32)] i32: the allowed first tokens of constrained requests
+    (None: free). Returns (device, (ids, logprobs, top ids, top logprobs)) per row of `rows`."""
+    sub = jax.tree.map(lambda a: a[rows], device.sampling)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, sub, want_logprobs, take, mask)
+    sampling = jax.tree.map(lambda a, b: a.at[rows].set(b), device.sampling, sampling)
+    return dataclasses.replace(device, sampling=sampling), (ids, lp, top_ids, top_lp)
 
 
 def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant,
@@ -207,35 +215,26 @@ def _scatter(device: DeviceState, sub: DeviceState, rows, kv_len=None, cache: bo
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None,
                 row_invariant=False):
-    """One decode step for every slot (the engine's full-batch shape); `kv_len` >= every position.
-    Returns (device, (ids, logprobs, top ids, top logprobs, active)), each per slot."""
+    """One decode step for every slot in one program (`decode_forward` then `decode_sample`, as the
+    profiler traces it); `kv_len` >= every position. Returns (device, (ids, logprobs, top ids, top
+    logprobs, active)), each per slot."""
     return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
-def decode_rows(params, device: DeviceState, want_logprobs, rows, *, config, precision, kv_len=None,
-                row_invariant=False):
-    """One decode step for the k slots `rows` [k] only (k < slots): their cache rows and sampling state
-    are gathered, stepped and scattered back. A decode step costs about its batch in weight re-reads
-    on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a small group.
-    Outputs are per row of `rows`.
-
-    Of the cache, only the first kv_len slots of each row move (`KVCache.gather`): moving whole rows
-    cost ~20% of a step of the built-in model."""
-    sub, out = _decode(params, _gather(device, rows, kv_len), want_logprobs[rows], config, precision, kv_len,
-                       row_invariant)
-    return _scatter(device, sub, rows, kv_len), out
-
-
-# Constrained decoding splits a step in two dispatches, so that the host fills step n's token masks
-# while the device runs step n's forward (the engine's `_decode_constrained`): `decode_forward`
-# (cache update, logits), then `decode_sample` (mask applied, next tokens). Together they compute
-# what decode_step / decode_rows compute with a mask.
+# The engine's decode step is two dispatches: `decode_forward` (cache update, logits), then
+# `decode_sample` (next tokens; with a mask for constrained decoding, whose host fills step n's
+# token masks while the device runs step n's forward: the engine's `_decode_constrained`). The
+# sampler is one program per group size instead of a copy in every (group, KV bound) program.
 
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_forward(params, device: DeviceState, rows=None, *, config, precision, kv_len=None, row_invariant=False):
     """The forward half of a decode step of every slot (`rows` None) or of the group `rows` [k]:
-    returns (device with its cache written, logits [B or k, V] f32 of each row's next token)."""
+    returns (device with its cache written, logits [B or k, V] f32 of each row's next token).
+
+    A group's cache rows and state are gathered, stepped and scattered back: a decode step costs
+    about its batch in weight re-reads on CPU (a batch-8 step ~3x a batch-1 step), so few active
+    requests run in a small group. Of the cache, only the first kv_len slots of each row move
+    (`KVCache.gather`): moving whole rows cost ~20% of a step of the built-in model."""
     sub = device if rows is None else _gather(device, rows, kv_len)
     logits, cache, *h = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
                                       precision, kv_len, row_invariant, sub.hidden is not None)

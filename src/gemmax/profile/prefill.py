@@ -3,8 +3,8 @@
 A prefill chunk multiplies T tokens by every weight matrix: compute-bound where decode is
 bandwidth-bound, so its roofline is FLOP/s, not GB/s. The run compiles the engine's own
 `prefill_step` for one chunk of T tokens into one slot after `context` cached tokens, as the last
-chunk of its prompt (so the LM head and the first token's sampling run, as on the chunk that gives
-TTFT), times it untraced and traces it like the decode step (`run._measure`): the same op categories.
+chunk of its prompt (so the LM head runs, as on the chunk that gives TTFT; the first token's
+sampling is a program of its own, `first_tokens`, not timed here), times it untraced and traces it like the decode step (`run._measure`): the same op categories.
 
 - FLOPs per chunk are counted on the step's own jaxpr (`dot_flops`): every `dot_general` (the
   weight matmuls, attention's q.k and p.v, the LM head), a scan's body times its length, a
@@ -87,7 +87,7 @@ def prefill_executable(params: Params, config: ModelConfig, tokens: int, context
     run rewrites the same positions, so every run does the same work) and its FLOPs (`dot_flops`)."""
     device = init_device_state(config, 1, context + tokens, precision)
     ids = jnp.full((1, tokens), config.bos_token_id, jnp.int32)
-    args = (ids, jnp.int32(0), jnp.int32(context), jnp.int32(tokens), jnp.bool_(True), jnp.bool_(False))
+    args = (ids, jnp.int32(0), jnp.int32(context), jnp.int32(tokens), jnp.bool_(True))
     compiled = prefill_step.lower(params, device, *args, config=config, precision=precision).compile()
     flops = dot_flops(jax.make_jaxpr(functools.partial(prefill_step, config=config, precision=precision))(
         params, device, *args))

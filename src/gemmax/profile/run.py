@@ -1,4 +1,5 @@
-"""Trace decode steps of the engine's own `decode_step` and turn the trace into the profile report.
+"""Trace decode steps (`steps.decode_step`: the engine's two decode dispatches in one program) and
+turn the trace into the profile report.
 
 The run: compile `decode_step` once for [batch] rows, warm up, time `steps` steps untraced (the
 tok/s), then trace `steps` more with `jax.profiler.trace(out_dir)` (the trace opens in xprof /
