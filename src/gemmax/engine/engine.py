@@ -276,7 +276,7 @@ class BatchEngine:
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._constraints = None  # ConstraintCompiler, built by the first constrained request
-        self._constrained_shapes: set[tuple] = set()  # constrained decode shapes run so far (compiled lazily)
+        self._constrained_sizes: set[int] = set()  # group sizes of the masked sampler run so far (compiled lazily)
 
     # ------------------------------------------------------------------------------ Engine protocol
     @property
@@ -310,7 +310,7 @@ class BatchEngine:
         constraints to some), so the first constrained request of each group size compiles it
         (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
         declared = len(self.shapes.decode_groups)
-        return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_shapes)}
+        return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_sizes)}
 
     def _describe(self) -> dict[str, Any]:
         policy = self.loaded.policy.observed(self.params, None if self.device is None else self.device.cache)
@@ -494,12 +494,12 @@ class BatchEngine:
             calls.append(("first_tokens", *self._first_tokens_args(self._logits_like(rows), np.arange(rows),
                                                                    np.zeros(rows, np.bool_), np.ones(rows, np.bool_))))
         want = jnp.asarray(self.want_logprobs)
-        for size in self.shapes.decode_groups:
-            rows = self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
-            calls.append(("decode_sample", (self.device, self._logits_like(size), want, None, rows), {}))
+        groups = {size: self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
+                  for size in self.shapes.decode_groups}
+        calls += [("decode_sample", (self.device, self._logits_like(size), want, None, rows), {})
+                  for size, rows in groups.items()]
         for size, kv_len in self.shapes.decode_shapes:
-            rows = self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
-            calls.append(("decode_forward", *self._forward_args(rows, kv_len)))
+            calls.append(("decode_forward", *self._forward_args(groups[size], kv_len)))
             if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
                 calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32),
                                                              np.zeros((size, k), np.int32), np.zeros(size, np.int32),
@@ -629,7 +629,8 @@ class BatchEngine:
         """Draw the first token of the prompts prefilled into `rows` from their last chunk's logits
         (steps.first_tokens; the rows with `take` false are padding); (outputs per row, compiled now)."""
         before = self.steps.first_tokens.size()
-        self.device, out = self.steps.first_tokens(*self._first_tokens_args(logits, rows, want_logprobs, take, mask)[0])
+        args, statics = self._first_tokens_args(logits, rows, want_logprobs, take, mask)
+        self.device, out = self.steps.first_tokens(*args, **statics)
         return out, self.steps.first_tokens.size() != before
 
     def _logits_like(self, rows: int) -> jax.Array:
@@ -694,9 +695,8 @@ class BatchEngine:
         want = jnp.asarray(self.want_logprobs)
         group = self._group_rows(rows)
         size = len(slot_of)
-        shapes = {("sample", size)}
-        if not shapes <= self._constrained_shapes:  # this dispatch compiles: its rows' timings say so
-            self._constrained_shapes |= shapes
+        if size not in self._constrained_sizes:  # this dispatch compiles: its rows' timings say so
+            self._constrained_sizes.add(size)
             for i in slot_of:
                 if self._slots[i] is not None:
                     self._slots[i].uncompiled = True

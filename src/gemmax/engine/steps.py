@@ -143,10 +143,9 @@ def first_tokens(device: DeviceState, logits, want_logprobs, rows, take, mask=No
     bucket and KV bound. Rows with `take` [P] false (a batched prefill's padding rows) keep their
     sampling state. `mask` [P, ceil(V / 32)] i32: the allowed first tokens of constrained requests
     (None: free). Returns (device, (ids, logprobs, top ids, top logprobs)) per row of `rows`."""
-    sub = jax.tree.map(lambda a: a[rows], device.sampling)
-    ids, lp, top_ids, top_lp, sampling = sample(logits, sub, want_logprobs, take, mask)
-    sampling = jax.tree.map(lambda a, b: a.at[rows].set(b), device.sampling, sampling)
-    return dataclasses.replace(device, sampling=sampling), (ids, lp, top_ids, top_lp)
+    sub = _gather(device, rows, cache=False)
+    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, take, mask)
+    return _scatter(device, dataclasses.replace(sub, sampling=sampling), rows, cache=False), (ids, lp, top_ids, top_lp)
 
 
 def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant,
