@@ -1,7 +1,8 @@
 """The engine's steps compiled ahead of time (gemmax.engine.executables): warm-up compiles every
-declared shape without running it, keeps each as a serialised executable in the compile cache, and
-the next start loads them instead of compiling; a damaged entry is compiled anew. Outputs stay
-those of the plain solo path throughout."""
+declared shape, runs each once before ready (XLA:CPU's first run of a program sets up its GEMMs),
+keeps each as a serialised executable in the compile cache, and the next start loads them instead
+of compiling; a damaged entry is compiled anew. Outputs stay those of the plain solo path
+throughout."""
 
 from __future__ import annotations
 
@@ -54,11 +55,13 @@ def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, t
     cold = start()
     shapes = cold["shapes"]
     assert cold["executables_compiled"] == shapes and cold["executables_loaded"] == 0 and cold["executables"] == shapes
+    assert cold["executables_never_run"] == 0  # every program's first run (YNNPACK's set-up) before ready
     stored = sorted((tmp_path / STORE_DIR).glob("*.exe"))
     assert len(stored) == shapes
 
     warm = start()  # nothing traced, lowered or compiled for the declared shapes
     assert warm["executables_loaded"] == shapes and warm["executables_compiled"] == 0
+    assert warm["executables_never_run"] == 0
     assert warm["cache_hit"] and warm["cache_misses"] == 0
 
     stored[0].write_bytes(stored[0].read_bytes()[:200])  # truncated
@@ -70,6 +73,24 @@ def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, t
     for run in served:  # the same tokens from compiled, loaded and recompiled programs; nothing compiled late
         assert [tokens for tokens, _ in run] == solo
         assert not any(late for _, late in run)
+
+
+def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(loaded, tmp_path):
+    """Every declared program runs once before ready except prefill chunks of more than
+    RUN_ONCE_TOKENS tokens (their compute would cost every start more than the set-up it saves)."""
+    from gemmax.engine.engine import RUN_ONCE_TOKENS
+
+    big = 2 * RUN_ONCE_TOKENS
+    engine = BatchEngine(loaded, max_model_len=big + 64, max_batch=2, buckets=(8, big), compile_cache_dir=str(tmp_path),
+                         prefix_cache_bytes=0).start(background=False)
+    try:
+        skipped = sum(1 for name, args, _ in engine._declared_calls()
+                      if name.startswith("prefill") and args[2].size > RUN_ONCE_TOKENS)
+        assert skipped >= 1  # the big bucket's chunks
+        assert engine.warmup_report["executables_never_run"] == skipped
+        assert engine.steps.prefill_step.never_run() == skipped
+    finally:
+        engine.shutdown(1)
 
 
 def test_a_program_read_back_from_jax_cache_is_not_stored(loaded, tmp_path):

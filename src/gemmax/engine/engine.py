@@ -116,6 +116,11 @@ from gemmax.model.forward import Precision
 
 log = logging.getLogger("gemmax.engine")
 
+# Warm-up runs every declared program once (`BatchEngine._run_once`) except prefill chunks of more
+# tokens than this: on the built-in model a 512-token chunk ran in 0.6 s against 0.8 s of first-run
+# set-up, and a chunk's compute grows with its tokens and the model while the set-up does not.
+RUN_ONCE_TOKENS = 512
+
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
 COMPILED_STEPS = ("prefill_step", "prefill_rows", "first_tokens", "decode_forward", "decode_sample", "verify_rows")
 
@@ -443,11 +448,12 @@ class BatchEngine:
         self.prefix_cache.steps.store = self.steps.store
 
     def _warm_up(self) -> None:
-        """Compile every declared shape ahead of time, several at once, without running any (a
-        2048-token prefill costs its full bucket whatever it holds); on one device each compiled step
-        is kept in the compile cache's executable store, so the next start loads it instead. Then one
-        throwaway request of the smallest bucket, twice, runs through the real admission and decode
-        path, compiling the small helper kernels a request uses (slot updates, sampling rows)."""
+        """Compile every declared shape ahead of time, several at once, each run once on idle rows as
+        soon as it is ready (`_run_once`: XLA:CPU's first run of a program is slower; the runs overlap
+        the next compiles); on one device each compiled step is kept in the compile cache's
+        executable store, so the next start loads it instead. Then one throwaway request of the
+        smallest bucket, twice, runs through the real admission and decode path, compiling the small
+        helper kernels a request uses (slot updates, sampling rows)."""
         with compile_cache.track(self.compile_cache_dir) as tracker:
             started = time.perf_counter()
             if self.mesh is None and jax.process_count() == 1:
@@ -455,9 +461,10 @@ class BatchEngine:
             self._init_device_state()
             self._init_prefix_cache()
             declared = self._compile_declared()
+            jax.block_until_ready(self.device)
             compiled = time.perf_counter()
-            # Measured on CPU (built-in model): the first real request's prefill took 0.5-0.7 s against
-            # 0.15-0.25 s for the next ones, though nothing compiled; a second run of the shape removes it.
+            # Then the request path's small helper kernels (slot updates, sampling rows), compiled on
+            # their first call.
             self._throwaway_requests(self.shapes.buckets[:1])
             self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
             self._throwaway_group()
@@ -475,7 +482,7 @@ class BatchEngine:
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
                               "ahead_of_time_seconds": round(compiled - started, 3), **tracker.summary(),
-                              **executables}
+                              **executables, "executables_never_run": self.steps.never_run()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
         self._ready.set()
@@ -533,12 +540,27 @@ class BatchEngine:
         """Compile (or load) every declared shape; each process of a mesh compiles its own. Returns
         how many shapes are declared."""
         calls = self._declared_calls()
-        self.steps.compile_all(calls)
+        self.steps.compile_all(calls, then=self._run_once)
         if self.prefix_cache is None:
             return len(calls)
         copies = self.prefix_cache.declared_calls(self.device.cache)
         self.prefix_cache.steps.compile_all(copies)
         return len(calls) + len(copies)
+
+    def _run_once(self, name: str, args: tuple, statics: dict[str, Any]) -> None:
+        """Dispatch one run of a declared step on the engine's idle rows (its dummy arguments from
+        `_declared_calls`, the state swapped for the current one; warm-up allocates the state afresh
+        afterwards). XLA:CPU builds the YNNPACK runtime of each GEMM fusion on a program's first run
+        (`YnnFusionThunk`), not when it compiles or loads it: on the built-in model that first run
+        cost 0.4-0.8 s more than the next one for every prefill and batched decode program (a
+        512-token chunk 1.37 s, then 0.59 s; a batch-4 decode step at KV bound 1024 0.78 s, then
+        0.12 s), which the first request of each shape paid. A prefill chunk of more than
+        RUN_ONCE_TOKENS tokens is not run: its compute would cost every start more than the set-up it
+        saves the first such prompt."""
+        if name in ("prefill_step", "prefill_rows") and args[2].size > RUN_ONCE_TOKENS:  # tokens [rows, bucket]
+            return
+        args = tuple(self.device if isinstance(arg, DeviceState) else arg for arg in args)
+        self.device = getattr(self.steps, name)(*args, **statics)[0]
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default

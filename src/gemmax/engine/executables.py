@@ -172,10 +172,15 @@ class CompiledStep:
     def __init__(self, name: str, jitted: Any, owner: CompiledSteps, lock: threading.Lock):
         self.name, self.jitted, self.owner, self._lock = name, jitted, owner, lock
         self._table: dict[tuple, tuple[jax.stages.Compiled, dict[str, Any]]] = {}
+        self._ran: set[tuple] = set()  # keys of the programs that have run at least once
         self.compiled = 0  # programs compiled here (the rest of the table was loaded from the store)
 
     def size(self) -> int:
         return len(self._table)
+
+    def never_run(self) -> int:
+        """Programs in the table that have not run yet (each pays XLA:CPU's first-run cost when it does)."""
+        return len(self._table.keys() - self._ran)
 
     def compile(self, *args, **statics) -> bool:
         """Make sure the call's program exists (loaded from the store, else compiled); True if it was new."""
@@ -202,7 +207,10 @@ class CompiledStep:
         return self._table[key][0], True
 
     def __call__(self, *args, **statics):
-        return self._get(call_key(args, statics), args, statics)[0](*args)
+        key = call_key(args, statics)
+        out = self._get(key, args, statics)[0](*args)
+        self._ran.add(key)
+        return out
 
 
 class CompiledSteps:
@@ -220,17 +228,29 @@ class CompiledSteps:
         steps = self.__dict__.get("_steps", {})
         return steps[name] if name in steps else getattr(self.__dict__["_plain"], name)
 
-    def compile_all(self, calls: list[tuple[str, tuple, dict[str, Any]]], threads: int | None = None) -> int:
+    def compile_all(self, calls: list[tuple[str, tuple, dict[str, Any]]], threads: int | None = None,
+                    then: Callable[[str, tuple, dict[str, Any]], None] | None = None) -> int:
         """Compile (or load) every `(step name, args, statics)` at once on `threads` threads; returns how
-        many were new. Lowering holds the GIL, XLA's compilation does not, so compiles overlap."""
+        many were new. Lowering holds the GIL, XLA's compilation does not, so compiles overlap.
+        `then(name, args, statics)`: called in this thread for each call, in the order of `calls`, as
+        soon as its program is ready, while the threads go on with the rest (the engine dispatches
+        each program's first run there: it overlaps the next compiles or loads, in the same order in
+        every process)."""
         jobs: list[Callable[[], bool]] = [
             (lambda name=name, args=args, statics=statics: self._steps[name].compile(*args, **statics))
             for name, args, statics in calls]
         workers = threads or max(1, min(len(jobs), os.cpu_count() or 1))
-        if workers == 1:
-            return sum(job() for job in jobs)
+        new = 0
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gemmax-compile") as pool:
-            return sum(pool.map(lambda job: job(), jobs))
+            for call, ready in zip(calls, [pool.submit(job) for job in jobs], strict=True):
+                new += ready.result()
+                if then is not None:
+                    then(*call)
+        return new
+
+    def never_run(self) -> int:
+        """Programs of these steps that have not run yet."""
+        return sum(step.never_run() for step in self._steps.values())
 
     def summary(self, *others: CompiledSteps) -> dict[str, Any]:
         """Counts over these steps and `others` (which share this store)."""
