@@ -77,18 +77,22 @@ def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, t
 
 def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(loaded, tmp_path):
     """Every declared program runs once before ready except prefill chunks of more than
-    RUN_ONCE_TOKENS tokens (their compute would cost every start more than the set-up it saves)."""
+    RUN_ONCE_TOKENS tokens, one prompt's or a batched group's (their compute would cost every start
+    more than the set-up it saves); a chunk of exactly that many runs."""
     from gemmax.engine.engine import RUN_ONCE_TOKENS
 
-    big = 2 * RUN_ONCE_TOKENS
-    engine = BatchEngine(loaded, max_model_len=big + 64, max_batch=2, buckets=(8, big), compile_cache_dir=str(tmp_path),
-                         prefix_cache_bytes=0).start(background=False)
+    assert RUN_ONCE_TOKENS == 512  # the shapes below straddle it
+    engine = BatchEngine(loaded, max_model_len=1088, max_batch=4, buckets=(128, 256, 1024),
+                         compile_cache_dir=str(tmp_path), prefix_cache_bytes=0).start(background=False)
     try:
-        skipped = sum(1 for name, args, _ in engine._declared_calls()
-                      if name.startswith("prefill") and args[2].size > RUN_ONCE_TOKENS)
-        assert skipped >= 1  # the big bucket's chunks
-        assert engine.warmup_report["executables_never_run"] == skipped
-        assert engine.steps.prefill_step.never_run() == skipped
+        plan = engine.shapes
+        big_chunks = [bucket for bucket, _ in plan.prefill_shapes() if bucket > RUN_ONCE_TOKENS]
+        big_groups = [(rows, bucket) for rows, bucket in plan.prefill_groups if rows * bucket > RUN_ONCE_TOKENS]
+        assert big_chunks and big_groups == [(4, 256)]
+        assert {(4, 128), (2, 256)} <= set(plan.prefill_groups)  # 512 tokens each: run
+        assert engine.steps.prefill_step.never_run() == len(big_chunks)
+        assert engine.steps.prefill_rows.never_run() == 1
+        assert engine.warmup_report["executables_never_run"] == len(big_chunks) + 1
     finally:
         engine.shutdown(1)
 

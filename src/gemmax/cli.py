@@ -323,8 +323,8 @@ def serve(
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming.
 
     Start-up of the built-in model on a 2-core CPU (README "Start-up"): 3-4 min with an empty
-    compile cache (42 programs compiled), about 40 s with a warm one (loaded, not compiled; each
-    program then runs once, so the first request of every shape is as fast as the next)."""
+    compile cache (42 programs compiled), about 40 s with a warm one (loaded, not compiled); each
+    program then runs once, so a shape's first request does not pay XLA's first-run set-up."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")

@@ -3,8 +3,8 @@
 Device state: one KV cache with `max_batch` rows of `max_model_len` positions (sliding layers keep a
 ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
 compiled shapes are a small declared set, all compiled ahead of time by `warm_up` before the engine
-reports ready, without running them, and kept on disk as executables that the next start loads
-(gemmax.engine.executables):
+reports ready (each then run once on idle rows: XLA:CPU's first run of a program is slower), and kept
+on disk as executables that the next start loads (gemmax.engine.executables):
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
@@ -17,7 +17,7 @@ reports ready, without running them, and kept on disk as executables that the ne
                       bucket and KV bound
     prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
                       the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
-                      per block-count bucket, compiled on first use, not at warm-up)
+                      per block-count bucket, compiled at warm-up, not run there)
     decode_forward    tokens [max_batch, 1], the forward of one step for every slot (idle slots
                       write nothing) -> logits [max_batch, V]; or of a group of k < max_batch slots
                       (k = 1, 2, 4, ...), used when few requests are running: a decode step's cost
@@ -251,7 +251,7 @@ class BatchEngine:
             self.steps = mesh_steps(self.mesh, self.config, max_batch, max_model_len, self.precision)
             self.params = shard_params(self.params, self.config, self.mesh)
             log.info("%s", mesh_summary(mesh, self.config, self.mesh))
-        # Compiled ahead of time (gemmax.engine.executables): warm-up compiles without running.
+        # Compiled ahead of time (gemmax.engine.executables), not traced through a request.
         self.steps = CompiledSteps(self.steps, COMPILED_STEPS)
         self.steps_per_dispatch = steps_per_dispatch
         # Process 0 of several (`gemmax.engine.schedule.Leader`): every device call is sent to the
@@ -539,7 +539,11 @@ class BatchEngine:
     def _compile_declared(self) -> int:
         """Compile (or load) every declared shape; each process of a mesh compiles its own. Returns
         how many shapes are declared."""
-        calls = self._declared_calls()
+        # The compile threads lower from the state's shapes, never from the arrays the runs donate.
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type),
+                             self.device)
+        calls = [(name, tuple(state if isinstance(arg, DeviceState) else arg for arg in args), statics)
+                 for name, args, statics in self._declared_calls()]
         self.steps.compile_all(calls, then=self._run_once)
         if self.prefix_cache is None:
             return len(calls)
