@@ -117,7 +117,7 @@ from gemmax.model.forward import Precision
 log = logging.getLogger("gemmax.engine")
 
 # Warm-up runs every declared program once (`BatchEngine._run_once`) except prefill chunks of more
-# tokens than this: on the built-in model a 512-token chunk ran in 0.6 s against 0.8 s of first-run
+# tokens than this: on the built-in model (bf16) a 512-token chunk ran in 0.6 s against 0.8 s of first-run
 # set-up, and a chunk's compute grows with its tokens and the model while the set-up does not.
 RUN_ONCE_TOKENS = 512
 
@@ -555,7 +555,7 @@ class BatchEngine:
         """Dispatch one run of a declared step on the engine's idle rows (its dummy arguments from
         `_declared_calls`, the state swapped for the current one; warm-up allocates the state afresh
         afterwards). XLA:CPU builds the YNNPACK runtime of each GEMM fusion on a program's first run
-        (`YnnFusionThunk`), not when it compiles or loads it: on the built-in model that first run
+        (`YnnFusionThunk`), not when it compiles or loads it: on the built-in model (bf16) that first run
         cost 0.4-0.8 s more than the next one for every prefill and batched decode program (a
         512-token chunk 1.37 s, then 0.59 s; a batch-4 decode step at KV bound 1024 0.78 s, then
         0.12 s), which the first request of each shape paid. A prefill chunk of more than
