@@ -542,8 +542,7 @@ class BatchEngine:
         # The compile threads lower from the state's shapes, never from the arrays the runs donate.
         state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type),
                              self.device)
-        calls = [(name, tuple(state if isinstance(arg, DeviceState) else arg for arg in args), statics)
-                 for name, args, statics in self._declared_calls()]
+        calls = [(name, _with_state(args, state), statics) for name, args, statics in self._declared_calls()]
         self.steps.compile_all(calls, then=self._run_once)
         if self.prefix_cache is None:
             return len(calls)
@@ -563,8 +562,7 @@ class BatchEngine:
         saves the first such prompt."""
         if name in ("prefill_step", "prefill_rows") and args[2].size > RUN_ONCE_TOKENS:  # tokens [rows, bucket]
             return
-        args = tuple(self.device if isinstance(arg, DeviceState) else arg for arg in args)
-        self.device = getattr(self.steps, name)(*args, **statics)[0]
+        self.device = getattr(self.steps, name)(*_with_state(args, self.device), **statics)[0]
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default
@@ -580,8 +578,8 @@ class BatchEngine:
 
     def _throwaway_group(self) -> None:
         """The smallest batched prefill shape, run once through `_prefill_group`, its rows decoded to
-        their end: done by analogy with the single prefill, whose first run was measured slower than
-        the next ones (not measured for the batched shapes)."""
+        their end: the batched admission path's own small kernels, as `_throwaway_requests` does for
+        one prompt (the programs' first runs are `_run_once`'s)."""
         if not self.shapes.prefill_groups:
             return
         rows, bucket = self.shapes.prefill_groups[0]
@@ -1224,6 +1222,11 @@ class BatchEngine:
         self._prefilling.clear()
         self._init_device_state()
         self._init_prefix_cache()  # its pool may have gone with a failed copy
+
+
+def _with_state(args: tuple, state) -> tuple:
+    """A declared call's arguments with its DeviceState replaced by `state`."""
+    return tuple(state if isinstance(arg, DeviceState) else arg for arg in args)
 
 
 def _speculates(request: GenerationRequest) -> bool:

@@ -238,14 +238,12 @@ class CompiledSteps:
         soon as its program is ready, while the threads go on with the rest (the engine dispatches
         each program's first run there: it overlaps the next compiles or loads, in the same order in
         every process)."""
-        jobs: list[Callable[[], bool]] = [
-            (lambda name=name, args=args, statics=statics: self._steps[name].compile(*args, **statics))
-            for name, args, statics in calls]
-        workers = threads or max(1, min(len(jobs), os.cpu_count() or 1))
+        workers = threads or max(1, min(len(calls), os.cpu_count() or 1))
         new = 0
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gemmax-compile") as pool:
             try:
-                for call, ready in zip(calls, [pool.submit(job) for job in jobs], strict=True):
+                jobs = [pool.submit(self._steps[name].compile, *args, **statics) for name, args, statics in calls]
+                for call, ready in zip(calls, jobs, strict=True):
                     new += ready.result()
                     if then is not None:
                         then(*call)
