@@ -13,8 +13,8 @@ never share the CPU), after a warm-up. Reported per runtime:
 - decode tok/s: per prompt, the tokens after the first over the time from the first token to the
   last (1 / TPOT, as `vllm bench serve` defines TPOT; prefill excluded); the median over the prompts,
   their range, and the ratio to llama.cpp and to transformers. gemmax runs through its engine as
-  `gemmax serve` does (a one-slot deployment, warmed up at start); it enqueues `steps_per_dispatch`
-  decode steps at a time, so per-token gaps are uneven, which a per-token median would misread.
+  `gemmax serve` does (a one-slot deployment, warmed up at start); it keeps its next decode step
+  queued behind the one being delivered, so per-token gaps are uneven, which a per-token median would misread.
 
     python benchmarks/real_model.py                          # all runtimes, 4 prompts x 32 tokens
     python benchmarks/real_model.py --max-tokens 64 --runtimes gemmax,llama.cpp

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemmax.engine import engine as engine_module
 from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.engine import BatchEngine
@@ -145,6 +146,24 @@ def test_prompts_arriving_together_prefill_in_one_forward_with_their_solo_tokens
         result = handle.wait()
         assert (result.timings.prefill_batch, result.timings.prefill_bucket) == (3, 16)
         assert list(result.token_ids) == _reference(loaded, prompt, budget), len(prompt)
+
+
+def test_a_burst_at_an_idle_engine_prefills_as_one_group(engine, loaded, monkeypatch):
+    """Requests that reach an idle engine a few ms apart (clients that all sent their next request
+    when their previous ones ended together) are admitted together and prefill in one forward, not
+    the first alone and the rest after it. The window is widened here (quiet 50 ms, at most 0.5 s)
+    so that a loaded test machine's 5 ms sleeps stay inside it."""
+    monkeypatch.setattr(engine_module, "BURST_QUIET_SECONDS", 0.05)
+    monkeypatch.setattr(engine_module, "BURST_WINDOW_SECONDS", 0.5)
+    prompts = [(11, 12, 13), (21, 22), (31, 32, 33, 34)]
+    handles = []
+    for prompt in prompts:
+        handles.append(engine.submit(GenerationRequest(prompt, 5, ignore_eos=True)))
+        time.sleep(0.005)
+    results = [h.wait() for h in handles]
+    assert [r.timings.prefill_batch for r in results] == [3, 3, 3]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert list(result.token_ids) == _reference(loaded, prompt, 5)
 
 
 def test_streamed_events_equal_final_tokens_and_usage_timings(engine):
@@ -567,6 +586,57 @@ def test_a_flood_of_one_token_requests_does_not_starve_decoding(engine):
     done_before = sum(h.result is not None for h in flood)
     assert done_before < len(flood), "the running request waited for the whole flood"
     assert all(h.wait().finish_reason == "length" for h in flood)
+
+
+def test_an_arrival_waits_for_the_step_in_flight_and_no_step_runs_past_the_last_token_owed(engine, loaded, monkeypatch):
+    """A dispatch runs up to steps_per_dispatch (3 here) decode steps, LOOKAHEAD_STEPS (2) of them
+    in flight (the next queued behind the one being delivered); once a queued request could take a free slot no
+    further step is enqueued, so a request arriving during the first step of a dispatch is prefilled
+    after the one other step already enqueued (before: after the dispatch's other 2 steps). And no
+    dispatch runs a step past the last token any row owes: a lone request of max_tokens n runs n - 1
+    decode steps (its first token comes from the prefill), not a multiple of 3. Both requests still
+    give exactly their tokens alone."""
+    events: list[str] = []
+    forward, prefill, dispatch = engine._forward, engine._run_prefill, engine._decode_dispatch
+    arrival = {"armed": False, "dispatches": 0, "fresh": False, "handle": None}
+    late_prompt = (9, 8, 7, 6)
+
+    def watched_dispatch():
+        arrival["dispatches"] += 1
+        arrival["fresh"] = True
+        return dispatch()
+
+    def watched_forward(*args):
+        events.append("forward")
+        if arrival["armed"] and arrival["fresh"] and arrival["dispatches"] == 2:  # a request arrives during
+            # the first step of the running request's second dispatch (3 steps owed or more)
+            arrival["armed"] = False
+            arrival["handle"] = engine.submit(GenerationRequest(late_prompt, 4, ignore_eos=True))
+            events.append("arrived")
+        arrival["fresh"] = False
+        return forward(*args)
+
+    def watched_prefill(tokens, *args):
+        events.append("prefill")
+        return prefill(tokens, *args)
+
+    monkeypatch.setattr(engine, "_forward", watched_forward)
+    monkeypatch.setattr(engine, "_run_prefill", watched_prefill)
+    monkeypatch.setattr(engine, "_decode_dispatch", watched_dispatch)
+    for max_tokens in (2, 5):
+        events.clear()
+        assert len(engine.submit(GenerationRequest((5, 6, 7), max_tokens, ignore_eos=True)).wait().token_ids) == max_tokens
+        assert events.count("forward") == max_tokens - 1, (max_tokens, events)
+
+    events.clear()
+    arrival["armed"], arrival["dispatches"] = True, 0
+    running = engine.submit(GenerationRequest((7, 3, 4), 20, ignore_eos=True))
+    assert list(running.wait().token_ids) == _reference(loaded, (7, 3, 4), 20)
+    assert "arrived" in events, events
+    assert engine_module.LOOKAHEAD_STEPS == 2 and engine.steps_per_dispatch == 3
+    after_arrival = events[events.index("arrived") + 1 :]
+    assert after_arrival.index("prefill") == 1, events  # the step already enqueued, then the prefill
+    assert list(arrival["handle"].wait().token_ids) == _reference(loaded, late_prompt, 4)
 
 
 def test_the_wait_queue_is_bounded(engine, monkeypatch):

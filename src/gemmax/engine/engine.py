@@ -37,10 +37,13 @@ first use, not in warm-up (`_constrained_report`, docs/structured.md).
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
 loop thread admits queued requests into free slots between decode dispatches (a prompt of several
-chunks, prefilled alone while others decode, runs one chunk per loop iteration: `_prefilling`), then enqueues
-`steps_per_dispatch` decode steps back to back (JAX dispatch is asynchronous: the device never
-waits for the host between them), streams each step's tokens as soon as that step is done, and
-frees the slots of finished or cancelled requests at once.
+chunks, prefilled alone while others decode, runs one chunk per loop iteration: `_prefilling`), then runs
+up to `steps_per_dispatch` decode steps, LOOKAHEAD_STEPS of them in flight (the next one queued behind
+the step whose tokens the host is delivering; JAX dispatch is asynchronous: the device never waits for
+the host between them), streams each step's tokens as soon as that step is done, and frees the slots of
+finished or cancelled requests at once. A dispatch ends early when no row owes more tokens or (mask-free
+steps) a queued request could take a free slot; a request reaching an idle engine waits a few ms for
+the rest of a burst (`_gather_burst`).
 
 Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
 calls (the `_replayed` methods) are sent to the other processes first, which run the same calls
@@ -120,6 +123,13 @@ log = logging.getLogger("gemmax.engine")
 # tokens than this: on the built-in model (bf16) a 512-token chunk ran in 0.6 s against 0.8 s of first-run
 # set-up, and a chunk's compute grows with its tokens and the model while the set-up does not.
 RUN_ONCE_TOKENS = 512
+# A burst at an idle engine (`BatchEngine._gather_burst`): arrivals at most BURST_QUIET_SECONDS apart are
+# admitted together, within BURST_WINDOW_SECONDS of the first.
+BURST_QUIET_SECONDS = 0.003
+BURST_WINDOW_SECONDS = 0.02
+# Decode steps in flight: the one whose tokens the host is delivering and those queued behind it
+# (`BatchEngine._decode_free`).
+LOOKAHEAD_STEPS = 2
 
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
 COMPILED_STEPS = ("prefill_step", "prefill_rows", "first_tokens", "decode_forward", "decode_sample", "verify_rows")
@@ -763,6 +773,8 @@ class BatchEngine:
                             break  # several processes, idle: tell the followers (below)
                     if self._stop:
                         break
+                    if self._queue and not self._prefilling and not self._decoding():  # arrivals at an idle engine
+                        self._gather_burst()
                     idle = self.schedule is not None and not self._queue and not self._prefilling and not self._decoding()
                 if idle:
                     self.schedule.send(IDLE)
@@ -793,6 +805,23 @@ class BatchEngine:
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._finish(i, "cancelled" if self.error is None else "error")
+
+    def _gather_burst(self) -> None:
+        """Called with the lock held when a request reaches an idle engine: wait while more arrive
+        (each within BURST_QUIET_SECONDS of the last, for at most BURST_WINDOW_SECONDS, until the queue
+        could fill every slot), so that a burst (clients that all sent their next request when their
+        previous ones ended together) prefills as one batched group, not as the first request alone
+        and the rest after it. A lone request waits BURST_QUIET_SECONDS."""
+        deadline = time.perf_counter() + BURST_WINDOW_SECONDS
+        seen = len(self._queue)
+        while not self._stop and seen < self.max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._lock.wait(min(BURST_QUIET_SECONDS, left))
+            if len(self._queue) == seen:
+                return  # quiet: the burst is over
+            seen = len(self._queue)
 
     def _admit(self) -> None:
         """Prefill queued requests into free slots: at most as many as there were free slots when
@@ -1044,14 +1073,38 @@ class BatchEngine:
         constrained = any(self._slots[i] is not None and self._slots[i].matcher is not None for i in slot_of)
         if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
             return
-        steps = self.steps_per_dispatch
+        # No step past the last token any row still owes: a finished request's tail steps would
+        # delay the next request's prefill (a 64-token request used to leave 1 of its last 4 steps idle).
+        steps = min(self.steps_per_dispatch, max(s.budget - len(s.tokens) for s in self._slots if s is not None))
         kv_len = self._kv_bound_after(steps)
         if constrained:
             self._decode_constrained(steps, rows, slot_of, kv_len)
         else:  # the mask-free step: no row waits for the host's masks
-            for out in self._dispatch_decode(steps, self.want_logprobs, rows, kv_len):
-                self._deliver(out, slot_of)  # each step's tokens go out while the device runs the next
+            self._decode_free(steps, rows, slot_of, kv_len)
         self._reap_cancelled()
+
+    def _decode_free(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
+        """Up to `steps` mask-free decode steps, LOOKAHEAD_STEPS of them in flight (the device never
+        waits for the host's delivery). No further step is enqueued once a queued request could take a
+        free slot, or every row has ended: an arrival waits for the steps in flight, not the rest of
+        the dispatch, before its prefill runs. Across processes every step of the dispatch is one
+        replayed call, as before (each call costs the followers two broadcasts: docs/mesh.md)."""
+        ahead = steps if self.schedule is not None else min(steps, LOOKAHEAD_STEPS)
+        pending = self._dispatch_decode(ahead, self.want_logprobs, rows, kv_len)
+        for _ in range(steps - ahead):
+            self._deliver(pending.pop(0), slot_of)  # this step's tokens go out while the device runs the next
+            self._reap_cancelled()
+            if self._admission_waiting() or all(self._slots[i] is None for i in slot_of):
+                break
+            pending += self._dispatch_decode(1, self.want_logprobs, rows, kv_len)
+        for out in pending:
+            self._deliver(out, slot_of)
+
+    def _admission_waiting(self) -> bool:
+        """A queued request could be admitted now: one waits and a slot is free."""
+        with self._lock:
+            return bool(self._queue) and any(
+                s is None and i not in self._prefilling for i, s in enumerate(self._slots))
 
     def _kv_bound_after(self, tokens: int) -> int:
         """The KV-length bucket that holds every running row's cache after `tokens` more positions

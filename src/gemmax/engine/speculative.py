@@ -7,7 +7,7 @@ n tokens, for n = 3, 2, 1 (the longest that matches). It needs no model and cost
 comparisons over the context; it pays off where the output copies its input (rewrites, edits, code).
 
 Adaptive k: a verify step costs more than a decode step (k + 1 positions per row, one host round
-trip per step instead of one per `steps_per_dispatch`), so a request whose proposals keep being
+trip per step, where plain decoding keeps its next step queued behind the one being delivered), so a request whose proposals keep being
 rejected backs off to plain decoding for a while (`RequestSpeculation`), doubling the pause each
 time it backs off again, so a free-form request is never much slower than plain decoding.
 """

@@ -15,7 +15,7 @@ Two measurements, joined by one formula:
 
 with both step times on the host clock, untraced. It leaves out what the engine adds around a verify
 step: the host round trip per step (the proposer needs the previous step's tokens, where plain decode
-enqueues `steps_per_dispatch` steps back to back) and the back-off pauses of a request whose
+keeps its next step queued behind the one being delivered) and the back-off pauses of a request whose
 proposals keep failing; the engine's own plain and speculative tok/s on the same prompt, measured in
 the same run, show the figure with them.
 
