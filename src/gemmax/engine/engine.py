@@ -768,14 +768,14 @@ class BatchEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not self._queue and not self._prefilling and not self._decoding():
+                    while not self._stop and not self._queue and not self._busy():
                         if not self._lock.wait(None if self.schedule is None else IDLE_SECONDS):
                             break  # several processes, idle: tell the followers (below)
                     if self._stop:
                         break
-                    if self._queue and not self._prefilling and not self._decoding():  # arrivals at an idle engine
+                    if self._queue and not self._busy():  # arrivals at an idle engine
                         self._gather_burst()
-                    idle = self.schedule is not None and not self._queue and not self._prefilling and not self._decoding()
+                    idle = self.schedule is not None and not self._queue and not self._busy()
                 if idle:
                     self.schedule.send(IDLE)
                     continue
@@ -833,7 +833,7 @@ class BatchEngine:
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
                 self._queue.remove(entry)
-            free = [i for i, s in enumerate(self._slots) if s is None and i not in self._prefilling]
+            free = self._free_slots()
             taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
@@ -989,6 +989,10 @@ class BatchEngine:
     def _decoding(self) -> bool:
         return any(slot is not None for slot in self._slots)
 
+    def _busy(self) -> bool:
+        """Some request is prefilling or decoding."""
+        return bool(self._prefilling) or self._decoding()
+
     def _continue_prefills(self) -> None:
         """This loop iteration's chunks of the prompts still prefilling, in arrival order, within
         `prefill_token_budget` (shared with the prompts `_admit` starts next); a failure ends that
@@ -1074,7 +1078,7 @@ class BatchEngine:
         if not constrained and self.spec_ks and self._speculative_dispatch(slot_of):
             return
         # No step past the last token any row still owes: a finished request's tail steps would
-        # delay the next request's prefill (a 64-token request used to leave 1 of its last 4 steps idle).
+        # delay the next request's prefill (a 64-token request used to compute 1 of its last 4 steps for nothing).
         steps = min(self.steps_per_dispatch, max(s.budget - len(s.tokens) for s in self._slots if s is not None))
         kv_len = self._kv_bound_after(steps)
         if constrained:
@@ -1103,8 +1107,11 @@ class BatchEngine:
     def _admission_waiting(self) -> bool:
         """A queued request could be admitted now: one waits and a slot is free."""
         with self._lock:
-            return bool(self._queue) and any(
-                s is None and i not in self._prefilling for i, s in enumerate(self._slots))
+            return bool(self._queue) and bool(self._free_slots())
+
+    def _free_slots(self) -> list[int]:
+        """Slots neither running a request nor reserved by a prompt still prefilling."""
+        return [i for i, s in enumerate(self._slots) if s is None and i not in self._prefilling]
 
     def _kv_bound_after(self, tokens: int) -> int:
         """The KV-length bucket that holds every running row's cache after `tokens` more positions
