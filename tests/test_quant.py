@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -345,6 +346,86 @@ def test_big_int8_matrices_at_batched_decode_rows_go_through_tiles():
     np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x[4:], qw)), y[4:])
     rows = np.asarray(jax.jit(linear)(x[:2], qw))  # the row-by-row form
     np.testing.assert_allclose(rows, y[:2], rtol=0, atol=1e-5 * np.abs(exact).max())
+
+
+def _reads(jaxpr, var) -> bool:
+    """Whether any equation of a jaxpr (not nested) takes `var` as an input."""
+    return any(var is v for e in jaxpr.eqns for v in e.invars)
+
+
+@pytest.mark.parametrize("k", [640, 4600])  # one block; column blocks (prepare_params splits > GEMV_MAX_IN)
+def test_int8_layer_matrices_multiply_their_bf16_copy_from_eight_rows(k, monkeypatch):
+    """A layer matrix quantised for the CPU keeps its int8 values a second time in bf16 (exact), and
+    from GEMM_MIN_ROWS rows (batched decode at 8 slots, prefill) the GEMM reads that copy, with no
+    convert and no tile loop, for the exact product of the bf16-rounded rows; fewer rows read the int8
+    values (the row form). The bytes each reads, and the bytes it holds, are counted apart. A CPU whose
+    GEMM runs in float32 keeps no copy."""
+    from gemmax.quant.int8 import GEMM_MIN_ROWS
+
+    qw = Q.quantize_int8(_weight(512, k, seed=11, dtype=jnp.bfloat16), "cpu", gemm_copy=True)
+    assert qw.gemm.dtype == jnp.bfloat16 and qw.gemm.shape == qw.q.shape
+    np.testing.assert_array_equal(np.asarray(qw.gemm, np.float32), np.asarray(qw.q, np.float32))
+    form = qw if k < 4095 else split_columns(qw, column_blocks(k))
+    for rows in (1, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, 32):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32))
+        closed = jax.make_jaxpr(linear)(x, form)
+        leaves = dict(zip([jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path((x, form))[0]],
+                          closed.jaxpr.invars, strict=True))
+        copies = [v for name, v in leaves.items() if name.endswith(".gemm")]
+        ints = [v for name, v in leaves.items() if name.endswith(".q")]
+        assert len(copies) == len(ints) == (1 if form is qw else 2), leaves
+        gemm = rows >= GEMM_MIN_ROWS
+        assert all(_reads(closed.jaxpr, v) == gemm for v in copies), (rows, closed)
+        assert all(_reads(closed.jaxpr, v) != gemm for v in ints), (rows, closed)
+        assert not gemm or not _scan_tiles(closed.jaxpr)
+        y = np.asarray(jax.jit(linear)(x, form))
+        exact = _bf16_rows_times(x, qw)
+        np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    values, scales = 512 * k, 512 * 2
+    assert qw.bytes_read(1) == qw.bytes_read(GEMM_MIN_ROWS - 1) == values + scales
+    assert qw.bytes_read(GEMM_MIN_ROWS) == 2 * values + scales and qw.nbytes == 3 * values + scales
+    assert Q.quantize_int8(_weight(512, k), "xla", gemm_copy=True).gemm is None  # GPU / TPU: the dot converts
+    monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", lambda dtype: "float32")
+    assert Q.quantize_int8(_weight(512, k, dtype=jnp.bfloat16), "cpu", gemm_copy=True).gemm is None
+
+
+def test_cpu_int8_loads_hold_gemm_copies_of_layer_matrices_not_of_the_lm_head(e2b):
+    """The loader's quantiser gives every CPU int8 layer matrix its bf16 copy and the int8 LM head
+    none (its batched rows go through tiles); the weight bytes a CPU load keeps (what `gemmax fit`
+    plans on a CPU) are the device-independent int8 bytes plus 2 bytes a layer weight."""
+    from gemmax.quant.plan import Quantizer
+
+    config = e2b
+    options = Q.QuantOptions(quant="int8", int8_lm_head=True)
+    quantizer = Quantizer.for_config(options, config, "cpu")
+    matrices = [s for s in param_specs(config) if s.kind == "matrix"]
+    stored = {s.path: quantizer.transform(s, _weight(*s.shape, dtype=jnp.bfloat16)) for s in matrices[:2]}
+    assert all(w.gemm is not None for w in stored.values())
+    head = quantizer.finish({"embed": _weight(64, 32, dtype=jnp.bfloat16)})["lm_head"]
+    assert head.gemm is None
+    cpu = Q.quantized_weight_bytes(config, options, kernel="cpu")
+    copies = 2 * sum(math.prod(s.shape) for s in matrices)
+    assert cpu - Q.quantized_weight_bytes(config, options) == copies
+
+
+def test_fit_on_a_cpu_counts_and_names_the_int8_gemm_copies(tmp_path):
+    """`gemmax fit` plans what a load on this device keeps: on CPU the int8 layers' copies, named on the
+    weights line with the flag that drops them; `--no-int8-gemm-copy` plans the device-independent bytes."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(E2B))
+    e2b = ModelConfig.from_hf_config(E2B)
+    options = Q.QuantOptions(quant="int8", int8_lm_head=True)
+    lean = dataclasses.replace(options, int8_gemm_copy=False)
+    kernel = "cpu" if jax.default_backend() == "cpu" else "xla"
+    runner = CliRunner()
+    args = ["fit", "--model", str(config), "--device-memory-gib", "64", "--quant", "int8", "--int8-lm-head"]
+    plan = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    assert plan["weights"] == Q.quantized_weight_bytes(e2b, options, kernel=kernel)
+    assert plan["weight_copies"] == plan["weights"] - Q.quantized_weight_bytes(e2b, lean, kernel=kernel)
+    assert plan["weight_copies"] > 0 if kernel == "cpu" else plan["weight_copies"] == 0
+    assert ("int8 GEMM copies (--no-int8-gemm-copy drops them)" in runner.invoke(app, args).output) == (kernel == "cpu")
+    plan = json.loads(runner.invoke(app, [*args, "--json", "--no-int8-gemm-copy"]).output)
+    assert plan["weights"] == Q.quantized_weight_bytes(e2b, options) and plan["weight_copies"] == 0
 
 
 def _scan_tiles(jaxpr) -> list[tuple[int, ...]]:

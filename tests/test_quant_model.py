@@ -183,10 +183,15 @@ def test_load_model_quantises_counts_and_reports(hf_checkpoints, caplog):
     assert isinstance(params["ple_embed"], Q.QuantizedTable) and params["ple_embed"].bits == 4
     assert params["ple_embed"].group == config.hidden_size_per_layer_input  # one scale per token per layer
     assert isinstance(params["lm_head"], Q.Int8Weight) and params["embed"].dtype == jnp.bfloat16
-    # exact bytes: what the loader kept == the eval_shape figure `gemmax fit` prints
-    assert loaded.checkpoint.weight_bytes == count_bytes(params) == Q.quantized_weight_bytes(config, ALL)
+    # exact bytes: what the loader kept == the eval_shape figure `gemmax fit` prints on this CPU
+    assert loaded.checkpoint.weight_bytes == count_bytes(params) == Q.quantized_weight_bytes(config, ALL, kernel="cpu")
+    assert params["layers"][0]["q"].gemm is not None  # the CPU's bf16 GEMM copy (3 bytes a weight)
+    lean = load_model(directory, quant=dataclasses.replace(ALL, int8_gemm_copy=False))
+    assert lean.checkpoint.params["layers"][0]["q"].gemm is None
+    assert lean.checkpoint.weight_bytes == Q.quantized_weight_bytes(config, ALL)  # as on a GPU: 1 byte a weight
+    assert "int8_gemm_copy=False" in lean.policy.log_line() and "int8_gemm_copy" not in loaded.policy.log_line()
     plain = load_model(directory)
-    assert loaded.checkpoint.weight_bytes < plain.checkpoint.weight_bytes
+    assert lean.checkpoint.weight_bytes < plain.checkpoint.weight_bytes
     line = loaded.policy.log_line()
     assert "quant=int8 ple_bits=4 int8_lm_head=True" in line and "kv_cache=int8" in line
     assert line in caplog.text  # the first log line of the load
@@ -207,7 +212,8 @@ def test_engine_serves_the_quantised_model_and_reports_it(hf_checkpoints):
         info = engine.info  # what /health serves
         assert info["policy"]["quant"] == dataclasses.asdict(ALL)
         assert "int8" in info["precision"]["kv_cache"] and "int8" in info["precision"]["weights"]
-        assert info["weight_bytes"] == Q.quantized_weight_bytes(ck.config, ALL)
+        assert info["weight_bytes"] == Q.quantized_weight_bytes(ck.config, ALL, kernel="cpu")
+        assert engine.memory_plan.weight_copies == Q.gemm_copy_bytes(ck.params) > 0  # named in the plan
     finally:
         engine.shutdown(drain_timeout=1)
 

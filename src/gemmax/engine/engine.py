@@ -116,6 +116,7 @@ from gemmax.engine.steps import (
 )
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
+from gemmax.quant.int8 import gemm_copy_bytes
 
 log = logging.getLogger("gemmax.engine")
 
@@ -244,7 +245,8 @@ class BatchEngine:
             mesh=mesh, prefix_cache_bytes=prefix_cache_bytes,
             ring_slack=self.ring_slack, draft_config=None if draft is None else draft.checkpoint.config,
             draft_weights=(0 if draft is None else draft.checkpoint.weight_bytes)
-            + (0 if assistant is None else assistant.weight_bytes)))
+            + (0 if assistant is None else assistant.weight_bytes),
+            weight_copies=gemm_copy_bytes(loaded.checkpoint.params)))
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).

@@ -44,6 +44,7 @@ from gemmax.model.config import ModelConfig
 from gemmax.model.kv_cache import cache_bytes, cache_slots, layer_cache_bytes, slot_bytes
 from gemmax.model.params import Params, abstract_params, count_bytes, param_specs
 from gemmax.model.sharding import MESH_AXES, param_partition
+from gemmax.model.stored import StoredWeight
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -156,6 +157,7 @@ class MemoryPlan:
     ring_slack: int = 0  # extra slots per sliding ring (speculative decoding)
     draft_weights: int = 0  # a draft model's weights (speculative decoding with --draft-model; 0: none)
     draft_kv_cache: int = 0  # its KV cache: one row per slot at max_model_len, rings with the same slack
+    weight_copies: int = 0  # of `weights`, the int8 layers' bf16 GEMM copies (gemmax.quant.int8; CPU)
 
     @property
     def required(self) -> int:
@@ -174,7 +176,9 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         out = [
             f"memory plan for {self.model}: max_model_len={n} max_batch={b} on {self.mesh}, per device ({verdict})",
-            f"  weights ({self.weight_dtype})        {_fmt(self.weights)}",
+            f"  weights ({self.weight_dtype})        {_fmt(self.weights)}"
+            + (f", of which {_fmt(self.weight_copies).strip()} int8 GEMM copies (--no-int8-gemm-copy drops them)"
+               if self.weight_copies else ""),
             f"  KV cache ({self.kv_dtype})       {_fmt(self.kv_cache)} = {b} slots x "
             f"({self.kv_per_token:,} B/token x {n:,} tokens + {_fmt(self.kv_fixed)} sliding rings"
             + (f", each window + {self.ring_slack} slots for speculative decoding)" if self.ring_slack else ")"),
@@ -229,6 +233,7 @@ def plan_memory(
     ring_slack: int = 0,
     draft_config: ModelConfig | None = None,
     draft_weights: int = 0,
+    weight_copies: int = 0,
 ) -> MemoryPlan:
     """The arithmetic of one deployment. `prefill_tokens` is the largest prefill chunk (default:
     max_model_len, a whole prompt at once); `weights` overrides the weight bytes (e.g. a quantised
@@ -239,7 +244,9 @@ def plan_memory(
     default, what the rest leaves free up to PREFIX_CACHE_DEFAULT_MAX; it never makes a plan not fit).
     `ring_slack`: extra slots per sliding ring (speculative decoding's k_max, `kv_cache` docstring).
     `draft_config`, `draft_weights`: a draft model (one device only), its weight bytes; its KV cache
-    (one row per slot, as the target's) is counted from its config."""
+    (one row per slot, as the target's) is counted from its config. `weight_copies`: the part of
+    `weights` that int8 layers hold again in bf16 for the CPU GEMM (named in the plan, with the flag
+    that drops it)."""
     if draft_config is not None and mesh is not None:
         raise ValueError("a draft model runs on one device: it cannot be planned with a mesh")
     if max_model_len < 1 or max_batch < 1:
@@ -285,6 +292,7 @@ def plan_memory(
         prefix_cache_auto=prefix_cache_bytes is None,
         draft_weights=draft_weights,
         draft_kv_cache=draft_kv(max_model_len, max_batch),
+        weight_copies=weight_copies,
     )
 
 
@@ -438,7 +446,10 @@ def decode_traffic(
     matrices = norms = 0
     model_level = {k: v for k, v in params.items() if k not in ("embed", "ple_embed", "lm_head", "layers")}
     for subtree in (model_level, params["layers"]):
-        for leaf in jax.tree.leaves(subtree):
+        for leaf in jax.tree.leaves(subtree, is_leaf=lambda x: isinstance(x, StoredWeight)):
+            if isinstance(leaf, StoredWeight):  # a quantised matrix: what `batch` rows read of it
+                matrices += leaf.bytes_read(batch)
+                continue
             size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
             if len(leaf.shape) >= 2:
                 matrices += size

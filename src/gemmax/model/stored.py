@@ -10,8 +10,9 @@ class and no branch anywhere else:
 - `rows(ids)`: dequantised rows of a table, for ids [...] -> [..., D] float32;
 - `dequantize(dtype)`: W itself;
 - `w[:, a:b]`: a column block (what `prepare_params` splits wide matrices into);
-- `shape`, `compute_dtype` (the dtype W had before quantisation, which matmul inputs are rounded to)
-  and `nbytes` (data and scales as stored).
+- `shape`, `compute_dtype` (the dtype W had before quantisation, which matmul inputs are rounded to),
+  `nbytes` (data and scales as stored) and `bytes_read(rows)` (what a product of that many rows reads:
+  less than `nbytes` for a form that keeps a second copy for some row counts).
 
 The forms are registered dataclass pytrees, so params stay a pytree: `jit`, `eval_shape` and byte
 counting over `jax.tree.leaves` keep working on them.
@@ -66,6 +67,10 @@ class StoredWeight(abc.ABC):
     def nbytes(self) -> int:
         """Bytes as stored: the packed data and the scales."""
         return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(self))
+
+    def bytes_read(self, rows: int) -> int:
+        """Bytes a product of `rows` rows reads (the roofline's weight traffic): everything stored."""
+        return self.nbytes
 
 
 def static(default: Any = dataclasses.MISSING) -> Any:

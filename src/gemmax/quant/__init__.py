@@ -14,7 +14,7 @@ The names below are the package's public surface.
 """
 
 from gemmax.model.stored import StoredWeight, is_quantized
-from gemmax.quant.int8 import Int8Weight, quantize_int8, tiled
+from gemmax.quant.int8 import Int8Weight, gemm_copy_bytes, quantize_int8, tiled
 from gemmax.quant.options import KERNELS, PLE_BITS, QUANT_MODES, QuantError, QuantOptions, W4Tiles
 from gemmax.quant.packing import int4_group, packing_chunks
 from gemmax.quant.plan import (
@@ -34,6 +34,6 @@ from gemmax.quant.w4a16 import Int4Weight, quantize_int4
 __all__ = [
     "BYTES_TABLE", "KERNELS", "PLE_BITS", "QUANT_MODES", "Int4Weight", "Int8Weight", "QuantError", "QuantOptions",
     "QuantPlan", "QuantizedTable", "Quantizer", "StoredWeight", "W4Tiles", "format_weight_bytes", "grouped",
-    "int4_group", "is_quantized", "packing_chunks", "quantize_int4", "quantize_int8", "quantize_params",
+    "gemm_copy_bytes", "int4_group", "is_quantized", "packing_chunks", "quantize_int4", "quantize_int8", "quantize_params",
     "quantize_table", "quantized_weight_bytes", "resolve", "tiled", "weight_bytes_table",
 ]

@@ -1,11 +1,16 @@
 """int8 weights: W [out, in] as q int8 [out, in] with one bfloat16 scale per output channel
 (W ~ q * scale[:, None]), and how they are multiplied on each device.
 
-- "cpu" (XLA:CPU): up to `ROW_LOOP_MAX` rows, the fused matrix-vector form row by row
-  (gemmax.quant.cpu); an int8 matrix too big for the cache (an LM head) at 4-8 rows is converted
-  tile by tile inside a loop and multiplied by the GEMM (`tiled`): read once as int8, each bf16 tile
-  used while it is in cache; more rows (prefill) do the same with smaller tiles (in f32 on a CPU
-  without bf16 instructions: `gemmax.quant.cpu.gemm_dtype`).
+- "cpu" (XLA:CPU): one row (batch-1 decode, the bandwidth-bound case int8 is for) and up to
+  `GEMM_MIN_ROWS` - 1 rows, the fused matrix-vector form row by row (gemmax.quant.cpu). From
+  `GEMM_MIN_ROWS` rows (batched decode at 8 slots, prefill) a layer matrix multiplies its `gemm` copy
+  (the int8 values held in bf16, exact) by XLA:CPU's GEMM: the GEMM cannot fuse a convert, and
+  converting every step cost more than it saves (`GEMM_MIN_ROWS`). The LM head has no copy (the
+  tied embedding is already held once in bf16 and once in int8): at 4-8 rows it is converted tile by
+  tile inside a loop and multiplied by the GEMM (`tiled`), read once as int8, each bf16 tile used
+  while it is in cache; more rows do the same with smaller tiles. A CPU without bf16 instructions
+  keeps no copy (its GEMM would be f32: 4 bytes a weight) and converts tiles to f32
+  (`gemmax.quant.cpu.gemm_dtype`).
 - "xla" (GPU, TPU): the int8 values converted to the compute dtype inside the dot, float32
   accumulation, the scales applied to the output.
 
@@ -21,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gemmax.model.linear import linear
@@ -30,6 +36,12 @@ from gemmax.quant.rounding import by_rows, dtype_name, int8_rows
 
 F32 = jnp.float32
 TILED_MIN_ROWS, TILED_MIN_PARAMS = 4, 1 << 24  # int8 matrices this big at this many rows: `tiled`
+# From this many rows a matrix with a `gemm` copy multiplies it by the GEMM. The built-in model's
+# 126 layer matrices (2-core Zen 4, jit of all of them, ms): rows 1: int8 row form 3.4, bf16 GEMM 6.2;
+# rows 2: 6.0-7.4 / 14-17; rows 4: 14-16 / 16-19; rows 8: 24-29 / 16-18; 32: 35 (int8 tiles) / 29;
+# 512: 381 / 346. XLA:CPU's bf16 GEMM costs ~11 ms for these weights at any small row count (it
+# repacks its weight operand on every call), so the row form wins below 8 rows.
+GEMM_MIN_ROWS = 8
 DEQUANT_TILE_ROWS = 4096  # int8 rows converted at a time for a batched-decode GEMM (4096 x 640 bf16: 5 MB)
 # Prefill (more than ROW_LOOP_MAX rows): tiles of at most this many weights (2 MB in f32), so each
 # converted tile is multiplied while it is in cache. Converting a whole matrix first wrote it out and
@@ -46,6 +58,7 @@ PREFILL_TILE_PARAMS = 1 << 19
 class Int8Weight(StoredWeight):
     q: jax.Array  # int8 [out, in]
     scale: jax.Array  # bfloat16 [out]
+    gemm: jax.Array | None = None  # q as bfloat16 [out, in] (exact: |q| <= 127), for GEMM_MIN_ROWS+ rows on CPU
     kernel: str = static("xla")
     compute_dtype: str = static("bfloat16")
 
@@ -56,7 +69,7 @@ class Int8Weight(StoredWeight):
     def __getitem__(self, index) -> Int8Weight:
         """W[:, a:b]: a column block (`fastpath.prepare_params` splits wide matrices); shares the scales."""
         _, cols = index
-        return dataclasses.replace(self, q=self.q[:, cols])
+        return dataclasses.replace(self, q=self.q[:, cols], gemm=None if self.gemm is None else self.gemm[:, cols])
 
     def dequantize(self, dtype: Any = F32) -> jax.Array:
         return (self.q.astype(F32) * self.scale.astype(F32)[:, None]).astype(dtype)
@@ -64,8 +77,16 @@ class Int8Weight(StoredWeight):
     def rows(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.q, ids, axis=0).astype(F32) * jnp.take(self.scale, ids, axis=0).astype(F32)[..., None]
 
+    def bytes_read(self, rows: int) -> int:
+        """The int8 values and scales, or from GEMM_MIN_ROWS rows the bf16 copy and scales."""
+        data = self.gemm if self.gemm is not None and rows >= GEMM_MIN_ROWS else self.q
+        return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in (data, self.scale))
+
     @classmethod
     def matmul(cls, x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:
+        if blocks[0].gemm is not None and x.shape[0] >= GEMM_MIN_ROWS:
+            x = x.astype(blocks[0].compute_dtype).astype(x.dtype)  # rounded as every form rounds it
+            return linear(x, tuple(b.gemm for b in blocks)).astype(F32) * blocks[0].scale.astype(F32)
         if blocks[0].kernel == "cpu" and tiled(x.shape[0], blocks):
             return _tiles(x, blocks, DEQUANT_TILE_ROWS)
         if blocks[0].kernel == "cpu" and x.shape[0] <= ROW_LOOP_MAX:
@@ -78,10 +99,20 @@ class Int8Weight(StoredWeight):
         return y * blocks[0].scale.astype(F32)
 
 
-def quantize_int8(w: jax.Array, kernel: str = "xla") -> Int8Weight:
-    """W [out, in] -> int8 per output channel."""
+def gemm_copy_bytes(params: Any) -> int:
+    """Bytes of the bf16 GEMM copies held by the int8 weights in `params` (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(w.gemm.shape) * np.dtype(w.gemm.dtype).itemsize
+               for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Weight))
+               if isinstance(w, Int8Weight) and w.gemm is not None)
+
+
+def quantize_int8(w: jax.Array, kernel: str = "xla", gemm_copy: bool = False) -> Int8Weight:
+    """W [out, in] -> int8 per output channel; with `gemm_copy` on CPU, also the bf16 copy of the int8
+    values that GEMM_MIN_ROWS+ rows multiply (none where the CPU's GEMM dtype is float32)."""
     q, scale = by_rows(int8_rows, w)
-    return Int8Weight(q, scale, kernel=kernel, compute_dtype=dtype_name(w))
+    compute = dtype_name(w)
+    copy = gemm_copy and kernel == "cpu" and gemm_dtype(compute) != "float32"
+    return Int8Weight(q, scale, q.astype(gemm_dtype(compute)) if copy else None, kernel=kernel, compute_dtype=compute)
 
 
 def _gemv(x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:

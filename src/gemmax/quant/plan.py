@@ -38,7 +38,7 @@ class Quantizer:
     def transform(self, spec, value: jax.Array) -> Any:
         o = self.options
         if spec.kind == "matrix" and o.quant == "int8":
-            return quantize_int8(value, self.kernel)
+            return quantize_int8(value, self.kernel, gemm_copy=o.int8_gemm_copy)
         if spec.kind == "matrix" and o.quant == "w4a16":
             if o.w4a16_kernel == "pallas" and o.w4a16_tiles is None:
                 raise QuantError("w4a16_kernel='pallas' needs tiles for the device: pass the options through resolve()")
@@ -149,15 +149,17 @@ BYTES_TABLE = {
 }
 
 
-def quantized_weight_bytes(config, options: QuantOptions, weight_dtype: Any = jnp.bfloat16) -> int:
-    """Exact bytes of the params a load with `options` keeps, from shapes alone (`jax.eval_shape`)."""
-    shapes = jax.eval_shape(lambda p: quantize_params(p, config, options), abstract_params(config, weight_dtype))
+def quantized_weight_bytes(config, options: QuantOptions, weight_dtype: Any = jnp.bfloat16, kernel: str = "xla") -> int:
+    """Exact bytes of the params a load with `options` keeps on a device whose XLA form is `kernel`
+    ("cpu" keeps int8 matrices' GEMM copies), from shapes alone (`jax.eval_shape`)."""
+    shapes = jax.eval_shape(lambda p: quantize_params(p, config, options, kernel), abstract_params(config, weight_dtype))
     return count_bytes(shapes)
 
 
-def weight_bytes_table(config, weight_dtype: Any = jnp.bfloat16) -> dict[str, int]:
-    """{option label: weight bytes} for the option sets of BYTES_TABLE (PLE options only with a PLE table)."""
-    return {label: quantized_weight_bytes(config, options, weight_dtype) for label, options in BYTES_TABLE.items()
+def weight_bytes_table(config, weight_dtype: Any = jnp.bfloat16, kernel: str = "xla") -> dict[str, int]:
+    """{option label: weight bytes} for the option sets of BYTES_TABLE (PLE options only with a PLE table)
+    on a device whose XLA form is `kernel`."""
+    return {label: quantized_weight_bytes(config, options, weight_dtype, kernel) for label, options in BYTES_TABLE.items()
             if options.ple_bits == 16 or config.hidden_size_per_layer_input}
 
 
