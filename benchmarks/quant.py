@@ -135,12 +135,14 @@ def bench_forms(args, policy) -> list[dict]:
     shapes: 8 matrices per call (independent products), median of interleaved rounds."""
     def spellings(w):
         q8, q4 = Q.quantize_int8(w, "cpu"), Q.quantize_int4(w, "cpu")
+        q8_copy = Q.quantize_int8(w, "cpu", gemm_copy=True)  # a default CPU load (`--int8-gemm-copy`)
 
         def fast(form):  # the column blocks `prepare_params` stores on CPU
             return form if w.shape[1] <= GEMV_MAX_IN else split_columns(form, column_blocks(w.shape[1]))
         return {
             "bf16 (gemmax.model.linear)": (linear, fast(w)),
             "int8 gemmax 'cpu' form": (linear, fast(q8)),
+            "int8 gemmax 'cpu' form with its bf16 GEMM copy": (linear, fast(q8_copy)),
             "int8 row reduction": (_row_reduce, q8),
             "int8 dequantise-then-dot": (_dequantize_then_dot, q8),
             "int4 gemmax 'cpu' form": (linear, fast(q4)),

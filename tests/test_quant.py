@@ -359,9 +359,10 @@ def test_int8_layer_matrices_multiply_their_bf16_copy_from_eight_rows(k, monkeyp
     from GEMM_MIN_ROWS rows (batched decode at 8 slots, prefill) the GEMM reads that copy, with no
     convert and no tile loop, for the exact product of the bf16-rounded rows; fewer rows read the int8
     values (the row form). The bytes each reads, and the bytes it holds, are counted apart. A CPU whose
-    GEMM runs in float32 keeps no copy."""
+    GEMM runs in float32, and float16 weights, keep no copy."""
     from gemmax.quant.int8 import GEMM_MIN_ROWS
 
+    monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", _bf16_gemm)  # whatever this host's CPU has
     qw = Q.quantize_int8(_weight(512, k, seed=11, dtype=jnp.bfloat16), "cpu", gemm_copy=True)
     assert qw.gemm.dtype == jnp.bfloat16 and qw.gemm.shape == qw.q.shape
     np.testing.assert_array_equal(np.asarray(qw.gemm, np.float32), np.asarray(qw.q, np.float32))
@@ -385,16 +386,24 @@ def test_int8_layer_matrices_multiply_their_bf16_copy_from_eight_rows(k, monkeyp
     assert qw.bytes_read(1) == qw.bytes_read(GEMM_MIN_ROWS - 1) == values + scales
     assert qw.bytes_read(GEMM_MIN_ROWS) == 2 * values + scales and qw.nbytes == 3 * values + scales
     assert Q.quantize_int8(_weight(512, k), "xla", gemm_copy=True).gemm is None  # GPU / TPU: the dot converts
+    assert Q.quantize_int8(_weight(512, k, dtype=jnp.float16), "cpu", gemm_copy=True).gemm is None
     monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", lambda dtype: "float32")
     assert Q.quantize_int8(_weight(512, k, dtype=jnp.bfloat16), "cpu", gemm_copy=True).gemm is None
 
 
-def test_cpu_int8_loads_hold_gemm_copies_of_layer_matrices_not_of_the_lm_head(e2b):
+def _bf16_gemm(dtype: str) -> str:
+    """`gemm_dtype` on a CPU with bf16 dot instructions (the tests below patch it in, so they run the
+    same on a host without them)."""
+    return dtype
+
+
+def test_cpu_int8_loads_hold_gemm_copies_of_layer_matrices_not_of_the_lm_head(e2b, monkeypatch):
     """The loader's quantiser gives every CPU int8 layer matrix its bf16 copy and the int8 LM head
     none (its batched rows go through tiles); the weight bytes a CPU load keeps (what `gemmax fit`
     plans on a CPU) are the device-independent int8 bytes plus 2 bytes a layer weight."""
     from gemmax.quant.plan import Quantizer
 
+    monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", _bf16_gemm)
     config = e2b
     options = Q.QuantOptions(quant="int8", int8_lm_head=True)
     quantizer = Quantizer.for_config(options, config, "cpu")
@@ -408,9 +417,10 @@ def test_cpu_int8_loads_hold_gemm_copies_of_layer_matrices_not_of_the_lm_head(e2
     assert cpu - Q.quantized_weight_bytes(config, options) == copies
 
 
-def test_fit_on_a_cpu_counts_and_names_the_int8_gemm_copies(tmp_path):
+def test_fit_on_a_cpu_counts_and_names_the_int8_gemm_copies(tmp_path, monkeypatch):
     """`gemmax fit` plans what a load on this device keeps: on CPU the int8 layers' copies, named on the
     weights line with the flag that drops them; `--no-int8-gemm-copy` plans the device-independent bytes."""
+    monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", _bf16_gemm)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(E2B))
     e2b = ModelConfig.from_hf_config(E2B)
@@ -426,6 +436,27 @@ def test_fit_on_a_cpu_counts_and_names_the_int8_gemm_copies(tmp_path):
     assert ("int8 GEMM copies (--no-int8-gemm-copy drops them)" in runner.invoke(app, args).output) == (kernel == "cpu")
     plan = json.loads(runner.invoke(app, [*args, "--json", "--no-int8-gemm-copy"]).output)
     assert plan["weights"] == Q.quantized_weight_bytes(e2b, options) and plan["weight_copies"] == 0
+
+
+def test_decode_traffic_counts_what_each_row_count_reads_of_int8_matrices(e2b, monkeypatch):
+    """The roofline's bytes per step: a CPU int8 load reads its int8 values (and scales) at batch 1 and
+    its bf16 copies from 8 rows, whatever it holds; a verify step's rows (batch x (k + 1)) decide it."""
+    from gemmax.engine.memory import decode_traffic
+    from gemmax.model.params import abstract_params
+
+    monkeypatch.setattr("gemmax.quant.int8.gemm_dtype", _bf16_gemm)
+
+    def load(copies: bool):
+        options = Q.QuantOptions(quant="int8", int8_gemm_copy=copies)
+        return jax.eval_shape(lambda p: Q.quantize_params(p, e2b, options, "cpu"), abstract_params(e2b, jnp.bfloat16))
+
+    held, lean = load(True), load(False)
+    assert Q.gemm_copy_bytes(held) > 0 == Q.gemm_copy_bytes(lean)
+    weights = sum(math.prod(s.shape) for s in param_specs(e2b) if s.kind == "matrix")
+    one, eight = decode_traffic(e2b, held, 1, 128), decode_traffic(e2b, held, 8, 128)
+    assert one.matrices == decode_traffic(e2b, lean, 1, 128).matrices == decode_traffic(e2b, lean, 8, 128).matrices
+    assert eight.matrices - one.matrices == weights  # 2 bytes a weight instead of 1
+    assert decode_traffic(e2b, held, 1, 128, rows=8).matrices == eight.matrices
 
 
 def _scan_tiles(jaxpr) -> list[tuple[int, ...]]:

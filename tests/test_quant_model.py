@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from gemmax.engine.loading import load_model
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache
 from gemmax.model.params import count_bytes, param_specs, tree_from_leaves
+from gemmax.quant.cpu import gemm_dtype
 
 TOKENS, ROWS = 25, 3  # 24 teacher-forced decode steps on 3 rows
 _forward = jax.jit(forward, static_argnames=("config", "precision", "logits"))
@@ -172,6 +174,8 @@ def test_int8_kv_cache_error_is_at_most_int8_weights(model, references):
 
 
 ALL = Q.QuantOptions(quant="int8", ple_bits=4, int8_lm_head=True, kv_cache="int8")
+KERNEL = "cpu" if jax.default_backend() == "cpu" else "xla"
+HOLDS_COPIES = KERNEL == "cpu" and gemm_dtype("bfloat16") == "bfloat16"  # int8 layers' bf16 GEMM copies
 
 
 def test_load_model_quantises_counts_and_reports(hf_checkpoints, caplog):
@@ -183,13 +187,14 @@ def test_load_model_quantises_counts_and_reports(hf_checkpoints, caplog):
     assert isinstance(params["ple_embed"], Q.QuantizedTable) and params["ple_embed"].bits == 4
     assert params["ple_embed"].group == config.hidden_size_per_layer_input  # one scale per token per layer
     assert isinstance(params["lm_head"], Q.Int8Weight) and params["embed"].dtype == jnp.bfloat16
-    # exact bytes: what the loader kept == the eval_shape figure `gemmax fit` prints on this CPU
-    assert loaded.checkpoint.weight_bytes == count_bytes(params) == Q.quantized_weight_bytes(config, ALL, kernel="cpu")
-    assert params["layers"][0]["q"].gemm is not None  # the CPU's bf16 GEMM copy (3 bytes a weight)
+    # exact bytes: what the loader kept == the eval_shape figure `gemmax fit` prints on this device
+    assert loaded.checkpoint.weight_bytes == count_bytes(params) == Q.quantized_weight_bytes(config, ALL, kernel=KERNEL)
+    # a CPU with bf16 GEMMs holds every layer matrix again in bf16 (3 bytes a weight), nothing else
+    copies = 2 * sum(math.prod(s.shape) for s in param_specs(config) if s.kind == "matrix") if HOLDS_COPIES else 0
+    assert Q.gemm_copy_bytes(params) == copies and (params["layers"][0]["q"].gemm is not None) == HOLDS_COPIES
     lean = load_model(directory, quant=dataclasses.replace(ALL, int8_gemm_copy=False))
-    assert lean.checkpoint.params["layers"][0]["q"].gemm is None
-    assert lean.checkpoint.weight_bytes == Q.quantized_weight_bytes(config, ALL)  # as on a GPU: 1 byte a weight
-    assert "int8_gemm_copy=False" in lean.policy.log_line() and "int8_gemm_copy" not in loaded.policy.log_line()
+    assert Q.gemm_copy_bytes(lean.checkpoint.params) == 0
+    assert lean.checkpoint.weight_bytes == Q.quantized_weight_bytes(config, ALL) == loaded.checkpoint.weight_bytes - copies
     plain = load_model(directory)
     assert lean.checkpoint.weight_bytes < plain.checkpoint.weight_bytes
     line = loaded.policy.log_line()
@@ -212,8 +217,10 @@ def test_engine_serves_the_quantised_model_and_reports_it(hf_checkpoints):
         info = engine.info  # what /health serves
         assert info["policy"]["quant"] == dataclasses.asdict(ALL)
         assert "int8" in info["precision"]["kv_cache"] and "int8" in info["precision"]["weights"]
-        assert info["weight_bytes"] == Q.quantized_weight_bytes(ck.config, ALL, kernel="cpu")
-        assert engine.memory_plan.weight_copies == Q.gemm_copy_bytes(ck.params) > 0  # named in the plan
+        assert info["weight_bytes"] == Q.quantized_weight_bytes(ck.config, ALL, kernel=KERNEL)
+        copies = 2 * sum(math.prod(s.shape) for s in param_specs(ck.config) if s.kind == "matrix") if HOLDS_COPIES else 0
+        assert engine.memory_plan.weight_copies == copies  # named in the plan: "of which ... int8 GEMM copies"
+        assert ("int8 GEMM copies" in engine.memory_plan.explain()) == HOLDS_COPIES
     finally:
         engine.shutdown(drain_timeout=1)
 

@@ -276,11 +276,16 @@ def fit(
                        ring_slack=max(SPEC_KS) + mtp_slack if speculative else 0,
                        weights=weights, weight_copies=copies or 0,
                        prefix_cache_bytes=0 if spec is not None else prefix_cache_bytes, **draft)
-    by_option = weight_bytes_table(config, p.weight_dtype, kernel)  # exact, from shapes (jax.eval_shape)
+    by_option = weight_bytes_table(config, p.weight_dtype, kernel, quant.int8_gemm_copy)  # exact, from shapes (jax.eval_shape)
     if json_output:
         typer.echo(json.dumps({**plan.as_dict(), "quant": quant.label, "weight_bytes_by_option": by_option}))
     else:
-        typer.echo(plan.explain() + f"\n  quantisation: {quant.label}\n" + format_weight_bytes(by_option, p.weight_dtype))
+        from gemmax.quant.options import QuantOptions
+
+        int8_alone = quantized_weight_bytes(config, QuantOptions(quant="int8"), p.weight_dtype)  # no copies
+        held = ("\n  (int8 rows include the layers' bf16 GEMM copies this CPU holds; --no-int8-gemm-copy plans without them)"
+                if by_option["int8"] != int8_alone else "")
+        typer.echo(plan.explain() + f"\n  quantisation: {quant.label}\n" + format_weight_bytes(by_option, p.weight_dtype) + held)
     if not plan.fits:
         raise typer.Exit(1)
 

@@ -292,7 +292,7 @@ def plan_memory(
         prefix_cache_auto=prefix_cache_bytes is None,
         draft_weights=draft_weights,
         draft_kv_cache=draft_kv(max_model_len, max_batch),
-        weight_copies=weight_copies,
+        weight_copies=weight_copies // split.weight_ratio(weight_dtype),
     )
 
 
@@ -433,10 +433,13 @@ class DecodeTraffic:
 
 
 def decode_traffic(
-    config: ModelConfig, params: Params, batch: int, context: int, kv_dtype: Any = jnp.bfloat16
+    config: ModelConfig, params: Params, batch: int, context: int, kv_dtype: Any = jnp.bfloat16,
+    rows: int | None = None,
 ) -> DecodeTraffic:
     """Bytes read by one decode step of `batch` rows at `context` tokens, from params (arrays or
-    ShapeDtypeStructs, plain or prepared by `fastpath.prepare_params`)."""
+    ShapeDtypeStructs, plain or prepared by `fastpath.prepare_params`). `rows`: the rows each matrix
+    multiplies (default `batch`; a verify step's batch x (k + 1)), which decides what a quantised form
+    reads (`StoredWeight.bytes_read`: an int8 matrix's bf16 GEMM copy from 8 rows on CPU)."""
     head = params.get("lm_head")
     lm_head = count_bytes(head if head is not None else params["embed"])
     gathered = 0
@@ -447,8 +450,8 @@ def decode_traffic(
     model_level = {k: v for k, v in params.items() if k not in ("embed", "ple_embed", "lm_head", "layers")}
     for subtree in (model_level, params["layers"]):
         for leaf in jax.tree.leaves(subtree, is_leaf=lambda x: isinstance(x, StoredWeight)):
-            if isinstance(leaf, StoredWeight):  # a quantised matrix: what `batch` rows read of it
-                matrices += leaf.bytes_read(batch)
+            if isinstance(leaf, StoredWeight):  # a quantised matrix (its scales included): what the rows read of it
+                matrices += leaf.bytes_read(batch if rows is None else rows)
                 continue
             size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
             if len(leaf.shape) >= 2:

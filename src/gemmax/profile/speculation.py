@@ -81,8 +81,8 @@ def verify_executable(params: Params, config: ModelConfig, batch: int, context: 
 
 def verify_traffic(config: ModelConfig, params: Params, batch: int, context: int, k: int, kv_dtype) -> dict[str, int]:
     """Bytes one verify step reads (VERIFY_BYTES_NOTE): the decode step's at `context`, with the
-    gathered rows of batch x (k + 1) tokens."""
-    t = decode_traffic(config, params, batch, context, kv_dtype)
+    gathered rows of batch x (k + 1) tokens and the matrices as batch x (k + 1) rows read them."""
+    t = decode_traffic(config, params, batch, context, kv_dtype, rows=batch * (k + 1))
     t = dataclasses.replace(t, gathered=t.gathered * (k + 1))
     return {"matrices": t.matrices, "lm_head": t.lm_head, "gathered": t.gathered, "norms": t.norms, "kv": t.kv,
             "total": t.total}

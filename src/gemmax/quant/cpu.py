@@ -6,8 +6,9 @@ the dot, `(x @ q.astype(f32).T) * scale` for int8 (~19 Gparam/s, about 2x the bf
 per nibble plane with the group scales multiplied in for int4 (~9-13 Gparam/s; the bytes are read
 once per plane). Spellings that unpack into an interleaved [out, in] matrix, or reduce rows
 (`(W * x).sum(-1)`), make XLA materialise or loop (0.1-1 Gparam/s). Up to ROW_LOOP_MAX rows (batched
-decode) run that form row by row, which beats dequantising the weight every step; more rows
-(prefill) convert the weight tile by tile, each tile multiplied by the GEMM while in cache.
+decode) run that form row by row, which beats dequantising the weight every step; from 8 rows an
+int8 layer matrix with a bf16 copy multiplies the copy by the GEMM (gemmax.quant.int8), and a weight
+without one (the int8 LM head, int4) converts tile by tile, each tile multiplied by the GEMM while in cache.
 
 The GEMM's dtype depends on the CPU (`gemm_dtype`): with bf16 dot instructions (x86 AVX512_BF16 or
 AMX-BF16, Arm BF16) XLA:CPU's bf16 GEMM is the fastest (2-core Zen 4: 234 GFLOP/s at 32x640x2048

@@ -8,9 +8,9 @@
   converting every step cost more than it saves (`GEMM_MIN_ROWS`). The LM head has no copy (the
   tied embedding is already held once in bf16 and once in int8): at 4-8 rows it is converted tile by
   tile inside a loop and multiplied by the GEMM (`tiled`), read once as int8, each bf16 tile used
-  while it is in cache; more rows do the same with smaller tiles. A CPU without bf16 instructions
-  keeps no copy (its GEMM would be f32: 4 bytes a weight) and converts tiles to f32
-  (`gemmax.quant.cpu.gemm_dtype`).
+  while it is in cache; more rows do the same with smaller tiles. Only bf16 weights on a CPU not known
+  to lack bf16 instructions keep a copy: elsewhere the GEMM would run in f32 (4 bytes a weight) or in
+  emulated float16, and tiles are converted instead (`gemmax.quant.cpu.gemm_dtype`).
 - "xla" (GPU, TPU): the int8 values converted to the compute dtype inside the dot, float32
   accumulation, the scales applied to the output.
 
@@ -108,11 +108,12 @@ def gemm_copy_bytes(params: Any) -> int:
 
 def quantize_int8(w: jax.Array, kernel: str = "xla", gemm_copy: bool = False) -> Int8Weight:
     """W [out, in] -> int8 per output channel; with `gemm_copy` on CPU, also the bf16 copy of the int8
-    values that GEMM_MIN_ROWS+ rows multiply (none where the CPU's GEMM dtype is float32)."""
+    values that GEMM_MIN_ROWS+ rows multiply: only where the GEMM runs in bf16 (bf16 weights on a CPU
+    not known to lack bf16 instructions: `gemm_dtype`; float16 and float32 weights keep no copy)."""
     q, scale = by_rows(int8_rows, w)
     compute = dtype_name(w)
-    copy = gemm_copy and kernel == "cpu" and gemm_dtype(compute) != "float32"
-    return Int8Weight(q, scale, q.astype(gemm_dtype(compute)) if copy else None, kernel=kernel, compute_dtype=compute)
+    copy = gemm_copy and kernel == "cpu" and gemm_dtype(compute) == "bfloat16"
+    return Int8Weight(q, scale, q.astype(jnp.bfloat16) if copy else None, kernel=kernel, compute_dtype=compute)
 
 
 def _gemv(x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:

@@ -99,8 +99,6 @@ class QuantOptions:
     def describe(self) -> str:
         """The policy line's part: what is quantised and how it runs."""
         text = f"quant={self.quant} ple_bits={self.ple_bits} int8_lm_head={self.int8_lm_head}"
-        if self.quant == "int8" and not self.int8_gemm_copy:
-            text += " int8_gemm_copy=False"
         if self.quant == "w4a16":
             text += f" w4a16_kernel={self.w4a16_kernel}"
             if self.w4a16_tiles is not None:

@@ -156,10 +156,13 @@ def quantized_weight_bytes(config, options: QuantOptions, weight_dtype: Any = jn
     return count_bytes(shapes)
 
 
-def weight_bytes_table(config, weight_dtype: Any = jnp.bfloat16, kernel: str = "xla") -> dict[str, int]:
+def weight_bytes_table(config, weight_dtype: Any = jnp.bfloat16, kernel: str = "xla",
+                       int8_gemm_copy: bool = True) -> dict[str, int]:
     """{option label: weight bytes} for the option sets of BYTES_TABLE (PLE options only with a PLE table)
-    on a device whose XLA form is `kernel`."""
-    return {label: quantized_weight_bytes(config, options, weight_dtype, kernel) for label, options in BYTES_TABLE.items()
+    on a device whose XLA form is `kernel`, int8 layers with or without their CPU GEMM copies."""
+    return {label: quantized_weight_bytes(config, dataclasses.replace(options, int8_gemm_copy=int8_gemm_copy),
+                                          weight_dtype, kernel)
+            for label, options in BYTES_TABLE.items()
             if options.ple_bits == 16 or config.hidden_size_per_layer_input}
 
 
