@@ -264,7 +264,7 @@ def fit(
             draft = {"draft_config": draft_source.config,
                      "draft_weights": quantized_weight_bytes(draft_source.config, draft_quant, p.weight_dtype, kernel)}
         speculative = True
-    weights = copies = None
+    weights, copies = None, 0
     if quant.changes_weights:
         weights = quantized_weight_bytes(config, quant, p.weight_dtype, kernel)
         copies = weights - quantized_weight_bytes(config, dataclasses.replace(quant, int8_gemm_copy=False),
@@ -274,7 +274,7 @@ def fit(
                        activation_dtype=DTYPES[p.activations],
                        prefill_tokens=prefill_tokens or p.prefill_buckets[-1], model=model, mesh=spec,
                        ring_slack=max(SPEC_KS) + mtp_slack if speculative else 0,
-                       weights=weights, weight_copies=copies or 0,
+                       weights=weights, weight_copies=copies,
                        prefix_cache_bytes=0 if spec is not None else prefix_cache_bytes, **draft)
     by_option = weight_bytes_table(config, p.weight_dtype, kernel, quant.int8_gemm_copy)  # exact, from shapes (jax.eval_shape)
     if json_output:

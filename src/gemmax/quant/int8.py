@@ -26,10 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gemmax.model.linear import linear
+from gemmax.model.params import count_bytes
 from gemmax.model.stored import StoredWeight, concat_columns, static
 from gemmax.quant.cpu import ROW_LOOP_MAX, gemm_dtype, gemv_vector, row_by_row, sum_parts
 from gemmax.quant.rounding import by_rows, dtype_name, int8_rows
@@ -79,8 +79,7 @@ class Int8Weight(StoredWeight):
 
     def bytes_read(self, rows: int) -> int:
         """The int8 values and scales, or from GEMM_MIN_ROWS rows the bf16 copy and scales."""
-        data = self.gemm if self.gemm is not None and rows >= GEMM_MIN_ROWS else self.q
-        return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in (data, self.scale))
+        return count_bytes((self.gemm if self.gemm is not None and rows >= GEMM_MIN_ROWS else self.q, self.scale))
 
     @classmethod
     def matmul(cls, x: jax.Array, blocks: tuple[Int8Weight, ...]) -> jax.Array:
@@ -101,9 +100,8 @@ class Int8Weight(StoredWeight):
 
 def gemm_copy_bytes(params: Any) -> int:
     """Bytes of the bf16 GEMM copies held by the int8 weights in `params` (arrays or ShapeDtypeStructs)."""
-    return sum(math.prod(w.gemm.shape) * np.dtype(w.gemm.dtype).itemsize
-               for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Weight))
-               if isinstance(w, Int8Weight) and w.gemm is not None)
+    return count_bytes([w.gemm for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int8Weight))
+                        if isinstance(w, Int8Weight)])
 
 
 def quantize_int8(w: jax.Array, kernel: str = "xla", gemm_copy: bool = False) -> Int8Weight:
