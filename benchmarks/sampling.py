@@ -10,7 +10,11 @@ The logits look like a language model's: a Gaussian body (std 2) and 32 strong t
 it, so top_p 0.9 and min_p 0.05 keep a few tokens, as they do on real text. Rows whose kept set does
 not fit the 1,024 best tokens take the full sort, at "before"'s cost (`--flat` shows it).
 
-    python benchmarks/sampling.py [--repeats 7] [--calls 10] [--flat]
+    python benchmarks/sampling.py [--repeats 7] [--calls 10] [--flat] [--against OTHER/src]
+
+`--against` puts another version's sampler in the "before" column instead of the sort: the
+`_filtered_sample` of OTHER/src/gemmax/engine/sampling.py (a `git worktree` of an earlier commit),
+loaded beside this one in the same process.
 
 Prints a table (median ms per call and the spread over repeats) and, last, one JSON line.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import time
@@ -52,6 +57,14 @@ def sorted_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
     keys = jax.vmap(lambda k, n: jax.random.fold_in(jax.random.wrap_key_data(k), n))(state.key, state.step)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=1)[:, 0]
+
+
+def other_sampler(src: str):
+    """`_filtered_sample` of the source tree `src` (its engine/sampling.py loaded as its own module)."""
+    spec = importlib.util.spec_from_file_location("other_sampling", f"{src}/gemmax/engine/sampling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._filtered_sample
 
 
 def choose(draw):
@@ -104,8 +117,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--flat", action="store_true", help="flat logits: top-p and min-p keep too many tokens for the windows")
+    parser.add_argument("--against", metavar="SRC", help="'before' is the sampler of SRC/gemmax/engine/sampling.py, not the sort")
     args = parser.parse_args()
-    before, after = choose(sorted_sample), choose(_filtered_sample)
+    before, after = choose(other_sampler(args.against) if args.against else sorted_sample), choose(_filtered_sample)
     results = []
     print(f"{'mode':<18} {'B':>2} {'before ms':>18} {'after ms':>18} {'speed-up':>8}")
     for batch in (1, 8):
@@ -119,7 +133,8 @@ def main() -> None:
                             "after_spread_ms": [round(new[1], 3), round(new[2], 3)]})
             print(f"{name:<18} {batch:>2} {old[0]:>7.3f} ({old[1]:.2f}-{old[2]:.2f}) {new[0]:>7.3f} ({new[1]:.2f}-{new[2]:.2f})"
                   f" {old[0] / new[0]:>7.1f}x")
-    print(json.dumps({"benchmark": "sampling", "vocab": VOCAB, "flat": args.flat, "results": results}))
+    print(json.dumps({"benchmark": "sampling", "vocab": VOCAB, "flat": args.flat,
+                      "before": args.against or "the full sort", "results": results}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemmax.engine.sampling import _TIERS, SamplingState, _argmax, _filtered_sample, sample
+from gemmax.engine import sampling
+from gemmax.engine.sampling import _OFF, _TIERS, SamplingState, _argmax, _can_prove, _filtered_sample, sample
 
 
 @pytest.mark.parametrize("vocab", [262144, 4096, 1000])  # 1000: not a multiple of the block
@@ -69,11 +70,11 @@ def _rule_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     return out
 
 
-def _draws(logits: np.ndarray, temperature, top_k, top_p, min_p, n: int, batch: int = 2000) -> np.ndarray:
+def _draws(logits: np.ndarray, temperature, top_k, top_p, min_p, n: int, batch: int = 2000, run=None) -> np.ndarray:
     """n independent draws of the sampler on one row of logits, `batch` rows (seeds) per call."""
     V = logits.shape[0]
     f = lambda v, dtype=jnp.float32: jnp.full(batch, v, dtype)  # noqa: E731
-    run = jax.jit(_filtered_sample)
+    run = run or jax.jit(_filtered_sample)
     out = []
     for start in range(0, n, batch):
         keys = jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.arange(start, start + batch))
@@ -97,16 +98,19 @@ def _peaked(vocab: int, seed: int) -> np.ndarray:
 
 _FLAT = np.random.default_rng(3).standard_normal(1280).astype(np.float32) * 0.5  # top-p 0.95 keeps ~1,190
 
-# (name, logits, temperature, top_k, top_p, min_p); "wide" cases need the 1,024-window, "sorted" the full sort
+# (name, logits, temperature, top_k, top_p, min_p); "wide" cases need the 1,024-window, "sorted" the
+# whole-row thresholds
 _CASES = [
     ("temperature", _peaked(1280, 0), 1.0, 0, 1.0, 0.0),
     ("temperature 0.7, top_p 0.9", _peaked(1280, 1), 0.7, 0, 0.9, 0.0),
     ("top_k 40", _peaked(1280, 2), 1.0, 40, 1.0, 0.0),
     ("top_k 5", _peaked(1280, 2), 1.0, 5, 1.0, 0.0),
     ("min_p 0.05", _peaked(1280, 4), 1.0, 0, 1.0, 0.05),
+    ("top_k 1100, min_p 0.05 (the bar proves the first window, the top-k none)", _peaked(1280, 8), 1.0, 1100, 1.0, 0.05),
     ("top_k 50, top_p 0.8, min_p 0.02, temperature 0.8", _peaked(1280, 5), 0.8, 50, 0.8, 0.02),
     ("wide: top_k 600, top_p 0.97", _peaked(1280, 6), 1.5, 600, 0.97, 0.0),
     ("wide: min_p 0.3 on a flat row", _FLAT, 1.0, 0, 1.0, 0.3),
+    ("wide: top_k 900, min_p 0.3 on a flat row", _FLAT, 1.0, 900, 1.0, 0.3),
     ("sorted: top_p 0.95 on a flat row", _FLAT, 1.0, 0, 0.95, 0.0),
     ("sorted: top_k 1100", _FLAT, 1.0, 1100, 1.0, 0.0),
     ("small vocabulary, top_p 0.9", _peaked(100, 7), 1.0, 0, 0.9, 0.0),
@@ -147,7 +151,7 @@ def _chi2_bound(df: int, z: float = 3.72) -> float:
 
 
 def test_the_cases_reach_every_window():
-    """The cases above exercise the first window, the wider ones and the full sort."""
+    """The cases above exercise the first window, the wider ones and the whole-row thresholds."""
     for name, logits, temperature, top_k, top_p, min_p in _CASES:
         kept = int((_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum())
         if name.startswith("wide"):
@@ -156,6 +160,52 @@ def test_the_cases_reach_every_window():
             assert kept > _TIERS[-1], name
         elif name != "temperature":
             assert kept <= _TIERS[0], name
+
+
+def _spread_row(vocab: int, kept: int, seed: int, low: float = 0.0) -> np.ndarray:
+    """`kept` tokens of logits `low`-2, each in its own 64-token block, over a floor 10 below them."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(vocab).astype(np.float32) * 0.3 - 10.0
+    blocks = rng.choice(vocab // 64, kept, replace=False)
+    logits[blocks * 64 + rng.integers(0, 64, kept)] = rng.uniform(low, 2.0, kept).astype(np.float32)
+    return logits
+
+
+def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
+    """`_can_prove` lets a window go unbuilt when no row can be proven in it. It must never say so of
+    a row the window would prove: the row would go on to wider windows (each a prefix of the same
+    order: the same token) and, where none proves it, to the whole-row thresholds (the same
+    distribution, but another token for its seed). Every case draws the same tokens as with every
+    window built, and so do rows that only the widest window proves, close to each condition's
+    edge: a min_p row of 131,072 tokens whose 900 kept ones lie in as many blocks, a top_p row whose
+    mass (~950 x p_max) nearly fills it, and top_k 1024. Flat top-p and min-p rows do skip the
+    narrower windows."""
+    spread = ("min_p 0.05, 900 kept in 900 blocks", _spread_row(131072, 900, 9), 1.0, 0, 1.0, 0.05)
+    heavy = ("top_p 0.95, ~950 x p_max", _spread_row(131072, 1000, 10, low=1.9), 1.0, 0, 0.95, 0.0)
+    edges = [spread, heavy, ("top_k 1024 on a flat row", _FLAT, 1.0, 1024, 1.0, 0.0)]
+    for _, logits, temperature, top_k, top_p, min_p in edges:
+        assert 256 < (_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum() <= _TIERS[-1]
+    flat_top_p = next(c for c in _CASES if c[0] == "sorted: top_p 0.95 on a flat row")
+    for (_, logits, temperature, _k, top_p, min_p), skipped in ((flat_top_p, 2), (spread, 2), (heavy, 2)):
+        x = jnp.asarray(logits)[None]
+        w = np.exp((logits.astype(np.float64) - logits.max()) / temperature)
+        bar = logits.max() + temperature * np.log(min_p * 1.001) if min_p else np.inf
+        over_bar = jnp.sum(jnp.max(x.reshape(1, -1, 64), axis=-1) >= bar)
+        can = [bool(_can_prove(size, jnp.int32(_OFF), jnp.float32(top_p), jnp.float32(min_p), jnp.float32(w.sum()),
+                               over_bar)) for size in _TIERS]
+        assert can == [False] * skipped + [True] * (len(_TIERS) - skipped)
+
+    def draws():  # a fresh function each time: jit traces it again under the current `_can_prove`
+        run = jax.jit(lambda x, s: _filtered_sample(x, s))
+        wide = [spread, heavy]  # 131,072 tokens a row: fewer draws
+        return {case[0]: _draws(*case[1:], n=200 if case in wide else 2000, batch=200 if case in wide else 2000,
+                                run=run) for case in [*_CASES, *edges]}
+
+    skipping = draws()
+    monkeypatch.setattr(sampling, "_can_prove", lambda size, k, *_: jnp.ones(k.shape, jnp.bool_))
+    building_every_window = draws()
+    for name, ids in skipping.items():
+        np.testing.assert_array_equal(ids, building_every_window[name], err_msg=name)
 
 
 def test_ties_at_the_top_k_boundary_keep_the_lower_indices():
