@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from bench_fake_server import FakeServer, Script
 from gemmax.bench.compare import compare_runs, to_markdown
-from gemmax.bench.report import fmt_range, load_run
+from gemmax.bench.report import fmt_range, fmt_ttft, load_run, run_table, summary_line
+from gemmax.bench.sweep import SweepConfig, summarize_cell
+from gemmax.bench.timing import RequestRecord
 from gemmax.cli import app
 
 runner = CliRunner()
@@ -64,7 +68,7 @@ def test_compare_uses_wire_figures_across_rigs(tmp_path):
         want = cell_b["stream"]["median"] / cell_a["stream"]["median"]
         assert row[cols.index("rigB/rigA tok/s")] == f"{want:.2f}x"
         assert 0.8 < want < 1.25
-        ttft = cell_b["ttft"]["median"] / cell_a["ttft"]["median"]
+        ttft = cell_b["median_ttft_ms"] / cell_a["median_ttft_ms"]
         assert row[cols.index("rigB/rigA TTFT")] == f"{ttft:.2f}x"
         output = cell_b["output_throughput"] / cell_a["output_throughput"]
         assert row[cols.index("rigB/rigA out tok/s")] == f"{output:.2f}x"
@@ -92,3 +96,28 @@ def test_compare_warns_on_mixed_precision_and_rejects_foreign_files(tmp_path):
     foreign.write_text(json.dumps({"completed": 3}))
     result = runner.invoke(app, ["bench", "compare", str(a), str(foreign)])
     assert result.exit_code != 0 and "not a gemmax bench result" in result.output
+
+
+def test_ttft_in_tables_is_the_json_lines_median_over_every_request():
+    """Three rounds of three concurrent requests whose round medians (10, 10, 100 ms) have a median
+    (10) other than the median over all nine requests (100): the run table, the comparison and the
+    JSON line all give 100, with the rounds' 10-100 beside it."""
+    cfg = SweepConfig(base_url="http://unused", input_lens=(8,), output_len=4, repeats=3, concurrency=(3,))
+    rounds = [[RequestRecord(8, 4, success=True, ttft=ms / 1000, latency=ms / 1000 + 0.03, itl=[0.01] * 3,
+                             counted_tokens=4) for ms in times]
+              for times in ((10, 10, 100), (10, 10, 100), (100, 100, 100))]
+    cell = summarize_cell(cfg, 8, 3, None, "stream", [], rounds, duration=1.0)
+    assert cell["ttft"]["median"] == pytest.approx(10.0) and cell["median_ttft_ms"] == pytest.approx(100.0)
+    assert fmt_ttft(cell) == "100.0 (10.0-100.0)"
+    result = {"label": "x", "model": "m", "decode_source": "stream", "prompt_mode": "ids", "cells": [cell]}
+    console = Console(width=200, record=True)
+    console.print(run_table(result))
+    text = console.export_text()
+    assert "100.0 (10.0-100.0)" in text and "median over every measured request" in text
+    assert json.loads(summary_line(result))["cells"][0]["median_ttft_ms"] == pytest.approx(100.0)
+    runs = [{**result, "label": label, "server": {"precision_before": None, "degenerate_responses_before": None,
+                                                  "degenerate_responses_after": None}, "forced_output": True}
+            for label in ("a", "b")]
+    comparison = compare_runs(runs)
+    assert comparison.rows[0][comparison.columns.index("a TTFT ms")] == "100.0 (10.0-100.0)"
+    assert any("median over every measured request" in note for note in comparison.notes)

@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
-from gemmax.bench.report import fmt, fmt_range, load_level
+from gemmax.bench.report import TTFT_NOTE, fmt, fmt_range, fmt_ttft, load_level
 
 PRECISION_KEYS = ("weights", "activations", "kv_cache")
 
@@ -66,10 +66,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
         cells = [cells.get(key) for cells in by_run]
         any_cell = next(c for c in cells if c is not None)
         stream = [_median(c["stream"]) if c else None for c in cells]
-        ttft = [_median(c["ttft"]) if c else None for c in cells]
+        ttft = [c["median_ttft_ms"] if c else None for c in cells]
         row = [str(key[0]), str(key[1]), load_level(any_cell)]
         row += [fmt_range(c["stream"]) if c else "-" for c in cells]
-        row += [fmt_range(c["ttft"]) if c else "-" for c in cells]
+        row += [fmt_ttft(c) if c else "-" for c in cells]
         row += [_ratio(s, stream[0]) for s in stream[1:]]
         row += [_ratio(t, ttft[0]) for t in ttft[1:]]
         output = [c.get("output_throughput") if c else None for c in cells]
@@ -86,7 +86,7 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
     notes = [f"tok/s = wire decode rate of a request (1 / TPOT, as vllm bench serve), median (min-max) over "
              f"repeats; out tok/s = output tokens of the whole cell / its duration (what several users get "
              f"together: a server that runs one request at a time keeps a high per-request rate and queues "
-             f"the rest in TTFT); ratios against {base}."]
+             f"the rest in TTFT); {TTFT_NOTE}; ratios against {base}."]
     if gauged:
         notes.append("own gauge = that rig's server-reported decode rate, shown beside its own wire figure "
                      "only; gauges are never compared across rigs. '!' = gauge tick coarser than the "

@@ -29,9 +29,10 @@ def plot_runs(runs: list[dict[str, Any]], path: Path) -> Path:
             ax_decode.errorbar(xs, [c["stream"]["median"] for c in cells], marker="o", capsize=3, label=label,
                                yerr=[[c["stream"]["median"] - c["stream"]["min"] for c in cells],
                                      [c["stream"]["max"] - c["stream"]["median"] for c in cells]])
-            ttft = [c["ttft"] for c in cells]
-            ax_ttft.errorbar(xs, [t["median"] for t in ttft], marker="o", capsize=3, label=label,
-                             yerr=[[t["median"] - t["min"] for t in ttft], [t["max"] - t["median"] for t in ttft]])
+            ttft = [c["median_ttft_ms"] for c in cells]  # over every request; bars: the rounds' medians (`fmt_ttft`)
+            ax_ttft.errorbar(xs, ttft, marker="o", capsize=3, label=label,
+                             yerr=[[max(0.0, t - c["ttft"]["min"]) for t, c in zip(ttft, cells, strict=True)],
+                                   [max(0.0, c["ttft"]["max"] - t) for t, c in zip(ttft, cells, strict=True)]])
     ax_decode.set(xlabel="input tokens", ylabel="decode tok/s (wire, 1/TPOT)", title="Decode rate")
     ax_ttft.set(xlabel="input tokens", ylabel="TTFT ms", title="Time to first token")
     ax_ttft.set_yscale("log")

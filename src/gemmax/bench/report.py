@@ -23,6 +23,21 @@ def fmt_range(stats: dict[str, Any] | None, digits: int = 1) -> str:
     return f"{fmt(stats['median'], digits)} ({fmt(stats['min'], digits)}-{fmt(stats['max'], digits)})"
 
 
+def fmt_ttft(cell: dict[str, Any]) -> str:
+    """'105.5 (98.2-120.3)': the median TTFT over every measured request of the cell (the JSON line's
+    `median_ttft_ms`, as `vllm bench serve` computes it), then the lowest and highest round median.
+    A round of several concurrent requests has its own median, and the median of those is not the
+    median over all of them: the headline is the latter, whatever the table."""
+    rounds = cell["ttft"]
+    if not rounds or rounds["n"] == 1:
+        return fmt(cell["median_ttft_ms"])
+    return f"{fmt(cell['median_ttft_ms'])} ({fmt(rounds['min'])}-{fmt(rounds['max'])})"
+
+
+TTFT_NOTE = ("TTFT ms = median over every measured request (the JSON line's median_ttft_ms, as vllm bench "
+             "serve), in parentheses the lowest and highest round median")
+
+
 def load_level(cell: dict[str, Any]) -> str:
     return f"{cell['request_rate']:g} req/s" if cell.get("request_rate") else f"c={cell['concurrency']}"
 
@@ -32,7 +47,7 @@ def run_table(result: dict[str, Any]) -> Table:
     has_gauge = any(c["gauge"] for c in cells)
     has_cost = any(c["cost_per_million_output_tokens"] is not None for c in cells)
     table = Table(title=f"{result['label']}  ({result['model']}, decode source: {result['decode_source']}, "
-                        f"prompts: {result['prompt_mode']})")
+                        f"prompts: {result['prompt_mode']})", caption=TTFT_NOTE)
     for name in ("input", "load", "ok/fail", "TTFT ms", "TPOT ms", "p99 ITL ms", "decode tok/s (wire)"):
         table.add_column(name, justify="right")
     if has_gauge:
@@ -43,7 +58,7 @@ def run_table(result: dict[str, Any]) -> Table:
         table.add_column("$/M out tok", justify="right")
     table.add_column("flags")
     for c in cells:
-        row = [str(c["input_len"]), load_level(c), f"{c['completed']}/{c['failed']}", fmt_range(c["ttft"]),
+        row = [str(c["input_len"]), load_level(c), f"{c['completed']}/{c['failed']}", fmt_ttft(c),
                fmt(c["median_tpot_ms"], 2), fmt(c["p99_itl_ms"], 2), fmt_range(c["stream"])]
         if has_gauge:
             res = c["gauge_resolution"]
