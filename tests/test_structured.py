@@ -311,3 +311,44 @@ def test_prefix_cache_over_the_wire(engine, client):
     assert read_metric(url, "gemmax:prefix_cache_cached_tokens_total") >= cached + 3 * block
     health = httpx.get(f"{url}/health").json()["prefix_cache"]
     assert health["budget_bytes"] == 64 << 20 and 0 < health["used_bytes"] <= health["budget_bytes"]
+
+
+def test_an_arrival_during_a_constrained_dispatch_waits_only_for_the_step_in_flight(engine, monkeypatch):
+    """A constrained dispatch (4 steps here) enqueues no further forward once a queued request could
+    take a free slot, as the mask-free one does: a request arriving during the first forward of the
+    running request's second dispatch is prefilled right after that step (before: after the
+    dispatch's other 3 forwards). Both requests give the tokens they give alone."""
+    eng, tok = engine
+    events: list[str] = []
+    forward, prefill, dispatch = eng._forward, eng._run_prefill, eng._decode_dispatch
+    arrival = {"armed": False, "dispatches": 0, "fresh": False, "handle": None}
+    late = GenerationRequest((9, 8, 7, 6), 4, ignore_eos=True)
+    running = GenerationRequest(tuple(tok.encode("Name: ")), 16, constraint=Constraint("regex", "[a-z ]{100}"))
+    alone = (_alone(eng, running), _alone(eng, late))
+
+    def watched_dispatch():
+        arrival["dispatches"] += 1
+        arrival["fresh"] = True
+        return dispatch()
+
+    def watched_forward(*args):
+        events.append("forward")
+        if arrival["armed"] and arrival["fresh"] and arrival["dispatches"] == 2:
+            arrival["armed"] = False
+            arrival["handle"] = eng.submit(late)
+            events.append("arrived")
+        arrival["fresh"] = False
+        return forward(*args)
+
+    def watched_prefill(tokens, *args):
+        events.append("prefill")
+        return prefill(tokens, *args)
+
+    monkeypatch.setattr(eng, "_forward", watched_forward)
+    monkeypatch.setattr(eng, "_run_prefill", watched_prefill)
+    monkeypatch.setattr(eng, "_decode_dispatch", watched_dispatch)
+    arrival["armed"] = True
+    result = eng.submit(running).wait()
+    assert eng.steps_per_dispatch == 4 and "arrived" in events, events
+    assert events[events.index("arrived") + 1] == "prefill", events
+    assert (result.token_ids, arrival["handle"].wait().token_ids) == alone

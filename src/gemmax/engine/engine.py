@@ -727,7 +727,9 @@ class BatchEngine:
 
         A row finished while the next forward is in flight was computed once more for nothing:
         `_finish` zeroes its budget before that step's sampling, which then leaves the row as it is
-        (as the free path does with the steps already enqueued after a stop)."""
+        (as the free path does with the steps already enqueued after a stop). As in `_decode_free`,
+        no further forward is enqueued once a queued request could take a free slot: an arrival's
+        prefill waits for the step being sampled, not the rest of the dispatch."""
         want = jnp.asarray(self.want_logprobs)
         group = self._group_rows(rows)
         size = len(slot_of)
@@ -742,9 +744,12 @@ class BatchEngine:
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
             self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
-            if n + 1 < steps:
+            last = n + 1 == steps or self._admission_waiting()
+            if not last:
                 logits = self._forward(group, kv_len)
             self._deliver(out, slot_of)
+            if last:
+                break
 
     def _dispatch_verify(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
                          drafted: np.ndarray | None = None):
