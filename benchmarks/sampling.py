@@ -10,7 +10,7 @@ The logits look like a language model's: a Gaussian body (std 2) and 32 strong t
 it, so top_p 0.9 and min_p 0.05 keep a few tokens, as they do on real text. Rows whose kept set does
 not fit the 1,024 best tokens take the full sort, at "before"'s cost (`--flat` shows it).
 
-    python benchmarks/sampling.py [--repeats 7] [--calls 10] [--flat] [--against OTHER/src]
+    python benchmarks/sampling.py [--repeats 5] [--calls 10] [--flat] [--against OTHER/src]
 
 `--against` puts another version's sampler in the "before" column instead of the sort: the
 `_filtered_sample` of OTHER/src/gemmax/engine/sampling.py (a `git worktree` of an earlier commit),

@@ -12,7 +12,17 @@ import numpy as np
 import pytest
 
 from gemmax.engine import sampling
-from gemmax.engine.sampling import _OFF, _TIERS, SamplingState, _argmax, _can_prove, _filtered_sample, sample
+from gemmax.engine.sampling import (
+    _OFF,
+    _TIERS,
+    SamplingState,
+    _argmax,
+    _can_prove,
+    _candidates,
+    _filtered_sample,
+    _window,
+    sample,
+)
 
 
 @pytest.mark.parametrize("vocab", [262144, 4096, 1000])  # 1000: not a multiple of the block
@@ -173,27 +183,33 @@ def _spread_row(vocab: int, kept: int, seed: int, low: float = 0.0) -> np.ndarra
 
 def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
     """`_can_prove` lets a window go unbuilt when no row can be proven in it. It must never say so of
-    a row the window would prove: the row would go on to wider windows (each a prefix of the same
-    order: the same token) and, where none proves it, to the whole-row thresholds (the same
-    distribution, but another token for its seed). Every case draws the same tokens as with every
-    window built, and so do rows that only the widest window proves, close to each condition's
-    edge: a min_p row of 131,072 tokens whose 900 kept ones lie in as many blocks, a top_p row whose
-    mass (~950 x p_max) nearly fills it, and top_k 1024. Flat top-p and min-p rows do skip the
-    narrower windows."""
+    a row the window would prove: the row would go on to wider windows and, where none proves it, to
+    the whole-row thresholds (the same distribution, but another token for its seed). Every case
+    draws the same tokens as with every window built, and so do rows that only the widest window
+    proves, close to each condition's edge: a min_p row of 131,072 tokens whose 900 kept ones lie in
+    as many blocks, a top_p row whose mass (~950 x p_max) nearly fills it, and top_k 1024. Flat top-p
+    and min-p rows do skip the narrower windows: `_filtered_sample` builds only the 1,024-window."""
     spread = ("min_p 0.05, 900 kept in 900 blocks", _spread_row(131072, 900, 9), 1.0, 0, 1.0, 0.05)
     heavy = ("top_p 0.95, ~950 x p_max", _spread_row(131072, 1000, 10, low=1.9), 1.0, 0, 0.95, 0.0)
     edges = [spread, heavy, ("top_k 1024 on a flat row", _FLAT, 1.0, 1024, 1.0, 0.0)]
     for _, logits, temperature, top_k, top_p, min_p in edges:
         assert 256 < (_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum() <= _TIERS[-1]
-    flat_top_p = next(c for c in _CASES if c[0] == "sorted: top_p 0.95 on a flat row")
-    for (_, logits, temperature, _k, top_p, min_p), skipped in ((flat_top_p, 2), (spread, 2), (heavy, 2)):
-        x = jnp.asarray(logits)[None]
-        w = np.exp((logits.astype(np.float64) - logits.max()) / temperature)
-        bar = logits.max() + temperature * np.log(min_p * 1.001) if min_p else np.inf
-        over_bar = jnp.sum(jnp.max(x.reshape(1, -1, 64), axis=-1) >= bar)
-        can = [bool(_can_prove(size, jnp.int32(_OFF), jnp.float32(top_p), jnp.float32(min_p), jnp.float32(w.sum()),
-                               over_bar)) for size in _TIERS]
-        assert can == [False] * skipped + [True] * (len(_TIERS) - skipped)
+
+    built: list[int] = []  # the windows `_filtered_sample` builds, by size (a callback in the built branch)
+    candidates = sampling._candidates
+
+    def counted(blocks, block_max, count):
+        jax.debug.callback(lambda _: built.append(count), block_max[0, 0])
+        return candidates(blocks, block_max, count)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "_candidates", counted)
+        flat_top_p = next(c for c in _CASES if c[0] == "sorted: top_p 0.95 on a flat row")
+        for case, windows in ((flat_top_p, [1024]), (spread, [1024]), (heavy, [1024]), (_CASES[3], [64])):
+            built.clear()
+            _draws(*case[1:], n=2, batch=2, run=jax.jit(lambda x, s: _filtered_sample(x, s)))
+            jax.effects_barrier()
+            assert built == windows, (case[0], built)
 
     def draws():  # a fresh function each time: jit traces it again under the current `_can_prove`
         run = jax.jit(lambda x, s: _filtered_sample(x, s))
@@ -206,6 +222,46 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
     building_every_window = draws()
     for name, ids in skipping.items():
         np.testing.assert_array_equal(ids, building_every_window[name], err_msg=name)
+
+
+def test_can_prove_holds_wherever_a_window_proves_a_row():
+    """`_can_prove` is a necessary condition of `_window`'s `proven` at every window size, on rows at
+    the edge of each condition: n entries of weight 1 and the rest masked (top-p mass exactly n),
+    m blocks with an entry over the min-p bar, top-k either side of each size; and some edge rows are
+    proven (the rows do reach the condition)."""
+    V = 64 * 300
+    rows, settings = [], []  # (temperature, top_k, top_p, min_p)
+    for n in (63, 64, 65, 255, 256, 257, 1023, 1024, 1025):
+        for top_p in (0.9, 0.95, 0.999, 0.9999):
+            row = np.full(V, -np.inf, np.float32)
+            row[np.random.default_rng(n).choice(V, n, replace=False)] = 1.0
+            rows.append(row), settings.append((1.0, 0, top_p, 0.0))
+    for m in (61, 62, 63, 64, 253, 254, 255, 256, 299):
+        for temperature, min_p in ((1.0, 0.05), (0.3, 0.3), (2.0, 1.0)):
+            row = np.full(V, -30.0, np.float32)
+            blocks = np.random.default_rng(m).choice(V // 64, m, replace=False)
+            row[blocks * 64 + 5] = np.float32(temperature * np.log(min(1.0, 1.5 * min_p)))  # p / p_max above the bar
+            row[0] = 0.0
+            rows.append(row), settings.append((temperature, 0, 1.0, min_p))
+    for top_k in (63, 64, 65, 256, 257, 1024, 1025):
+        rows.append(_FLAT.repeat(15)), settings.append((1.0, top_k, 0.9, 0.05))
+    x = jnp.asarray(np.stack(rows))
+    temperature, top_k, top_p, min_p = (np.asarray(column) for column in zip(*settings, strict=True))
+    t = jnp.asarray(temperature, jnp.float32)[:, None]
+    k = jnp.asarray(np.where(top_k > 0, top_k, _OFF), jnp.int32)
+    blocks = x.reshape(len(rows), -1, 64)
+    block_max = jnp.max(blocks, axis=-1)
+    weights = jnp.exp((blocks - jnp.max(block_max, axis=-1)[:, None, None]) / t[:, :, None])
+    mass = jnp.sum(weights, axis=(1, 2))
+    over_bar = jnp.sum(jnp.max(weights, axis=-1) >= jnp.asarray(min_p, jnp.float32)[:, None] * (1 + 1e-4), axis=-1)
+    proven_somewhere = np.zeros(len(rows), bool)
+    for size in _TIERS:
+        _, proven = _window(*_candidates(blocks, block_max, size), t, k, jnp.asarray(top_p, jnp.float32),
+                            jnp.asarray(min_p, jnp.float32), mass, jnp.full((len(rows), 2), 0.5))
+        can = _can_prove(size, k, jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32), mass, over_bar)
+        assert not np.any(np.asarray(proven) & ~np.asarray(can)), size
+        proven_somewhere |= np.asarray(proven)
+    assert proven_somewhere.sum() > len(rows) // 2
 
 
 def test_ties_at_the_top_k_boundary_keep_the_lower_indices():

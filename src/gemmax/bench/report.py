@@ -27,7 +27,7 @@ def fmt_ttft(cell: dict[str, Any]) -> str:
     """'105.5 (98.2-120.3)': the median TTFT over every measured request of the cell (the JSON line's
     `median_ttft_ms`, as `vllm bench serve` computes it), then the lowest and highest round median.
     A round of several concurrent requests has its own median, and the median of those is not the
-    median over all of them: the headline is the latter, whatever the table."""
+    median over all of them: every table shows the median over all of them, as the JSON line does."""
     rounds = cell["ttft"]
     if not rounds or rounds["n"] == 1:
         return fmt(cell["median_ttft_ms"])

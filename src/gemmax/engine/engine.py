@@ -41,9 +41,9 @@ chunks, prefilled alone while others decode, runs one chunk per loop iteration: 
 up to `steps_per_dispatch` decode steps, LOOKAHEAD_STEPS of them in flight (the next one queued behind
 the step whose tokens the host is delivering; JAX dispatch is asynchronous: the device never waits for
 the host between them), streams each step's tokens as soon as that step is done, and frees the slots of
-finished or cancelled requests at once. A dispatch ends early when no row owes more tokens or (mask-free
-steps) a queued request could take a free slot; a request reaching an idle engine waits a few ms for
-the rest of a burst (`_gather_burst`).
+finished or cancelled requests at once. A dispatch ends early when no row owes more tokens or
+(mask-free and constrained steps) a queued request could take a free slot; a request reaching an idle
+engine waits a few ms for the rest of a burst (`_gather_burst`).
 
 Across processes (`jax.distributed`, docs/mesh.md) the engine of process 0 schedules, and its device
 calls (the `_replayed` methods) are sent to the other processes first, which run the same calls

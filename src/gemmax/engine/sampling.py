@@ -176,8 +176,9 @@ def _can_prove(size: int, k, top_p, min_p, mass, over_bar) -> jax.Array:
     rounding); and min-p proves only if fewer than `size` entries clear its bar, so not when
     `over_bar` [B] blocks already have an entry that does. On flat rows (a small model's, a high
     temperature) every window used to be built and failed before the whole-row thresholds
-    (`benchmarks/sampling.py --flat`, 262,144 entries: min_p 0.05 1.8 -> 0.6 ms at batch 1 and
-    22.8 -> 14.4 ms at batch 8; temperature 0.7 with top_p 0.9 5.1 -> 2.5 ms at batch 1)."""
+    (`benchmarks/sampling.py --flat`, 262,144 entries, with `_ranks_if_tied`: min_p 0.05 1.8 -> 0.6
+    ms at batch 1 and 22.8 -> 14.4 ms at batch 8; docs/bench.md). The window of the whole row
+    (a vocabulary of at most 1,024) is always built: every kept set lies in it."""
     k_off, p_on = k == _OFF, top_p < 1.0
     by_mass = p_on & (size >= 0.999 * top_p * mass)
     by_bar = (min_p > 0.0) & (over_bar < size)
@@ -216,11 +217,13 @@ def _tie_rank(tie: jax.Array) -> jax.Array:
     return (jnp.cumsum(blocks, axis=-1) - blocks + before[:, :, None]).reshape(B, -1)
 
 
-def _ranks_if_tied(tie: jax.Array) -> jax.Array:
-    """`_tie_rank(tie)`, computed only when some row has two or more tied entries: a lone entry's
-    rank is 0. Real logits seldom tie at a threshold, and the ranks' two-level running sums cost
-    9-13 ms at batch 8 over 262,144 entries (the whole-row path runs them once per threshold)."""
-    return jax.lax.cond(jnp.any(jnp.sum(tie, axis=-1) > 1), lambda: _tie_rank(tie),
+def _ranks_if_tied(tie: jax.Array, on: jax.Array) -> jax.Array:
+    """`_tie_rank(tie)`, computed only when a row that uses the threshold (`on` [B, 1]) has two or
+    more tied entries: a lone entry's rank is 0 (the other rows' ranks are never read; a row with
+    the rule off ties at its lowest key, the -inf of masked tokens). Real logits seldom tie at a
+    threshold, and the ranks' two-level running sums cost 9-13 ms at batch 8 over 262,144 entries
+    (the whole-row path runs them once per threshold)."""
+    return jax.lax.cond(jnp.any(on[:, 0] & (jnp.sum(tie, axis=-1) > 1)), lambda: _tie_rank(tie),
                         lambda: jnp.zeros(tie.shape, jnp.int32))
 
 
@@ -235,14 +238,14 @@ def _threshold_ids(x: jax.Array, w: jax.Array, k, top_p, min_p, u) -> jax.Array:
     262,144 entries at batch 8 took 543 ms on 2 CPU cores."""
     B = x.shape[0]
     keys = _order_keys(x)
-    k_on = (k != _OFF)[:, None]
+    k_on, p_on = (k != _OFF)[:, None], (top_p < 1.0)[:, None]
 
     def top_k_set():
         tau = _highest_key(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k)[:, None]
         above = keys > tau
         tie = keys == tau
         room = (k - jnp.sum(above, axis=-1))[:, None]
-        return ~k_on | above | (tie & (_ranks_if_tied(tie) < room))
+        return ~k_on | above | (tie & (_ranks_if_tied(tie, k_on) < room))
 
     in_k = jax.lax.cond(jnp.any(k_on), top_k_set, lambda: jnp.ones(x.shape, jnp.bool_))
     w_k = jnp.where(in_k, w, 0.0)
@@ -255,9 +258,8 @@ def _threshold_ids(x: jax.Array, w: jax.Array, k, top_p, min_p, u) -> jax.Array:
         tie = in_k & (keys == tau)
         mass_above = jnp.sum(jnp.where(above, w_k, 0.0), axis=-1, keepdims=True)
         tie_w = jnp.max(jnp.where(tie, w, 0.0), axis=-1, keepdims=True)  # the tied entries' common weight
-        return above | (tie & (mass_above + _ranks_if_tied(tie) * tie_w < goal))
+        return above | (tie & (mass_above + _ranks_if_tied(tie, p_on) * tie_w < goal))
 
-    p_on = (top_p < 1.0)[:, None]
     keep = in_k & jax.lax.cond(jnp.any(p_on), lambda: ~p_on | top_p_set(), lambda: jnp.ones(x.shape, jnp.bool_))
     keep &= w >= min_p[:, None]
     keep |= jnp.arange(x.shape[-1])[None, :] == _argmax(x)[:, None]  # the best token always stays
@@ -306,11 +308,12 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
 
     def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best _TIERS[tier] entries, then wider
         size = min(_TIERS[tier], x.shape[-1])
+        build = lambda: window(*_candidates(blocks, block_max, size))  # noqa: E731
+        if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
+            return build()[0]  # (a 128-token vocabulary compiles two windows and no sort)
         found, proven = jax.lax.cond(  # a window that no row can be proven in is not built (`_can_prove`)
             jnp.any(filtered & _can_prove(size, k, top_p, min_p, mass, over_bar)),
-            lambda: window(*_candidates(blocks, block_max, size)), lambda: (zeros, jnp.zeros(B, jnp.bool_)))
-        if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
-            return found  # (a 128-token vocabulary compiles two windows and no sort)
+            build, lambda: (zeros, jnp.zeros(B, jnp.bool_)))
         if tier + 1 < len(_TIERS):
             wider = lambda: filtered_ids(tier + 1)  # noqa: E731
         else:
