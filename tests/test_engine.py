@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import subprocess
@@ -10,10 +11,12 @@ import sys
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arrival_watch import ArrivalWatch
 from gemmax.engine import engine as engine_module
 from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
@@ -596,47 +599,69 @@ def test_an_arrival_waits_for_the_step_in_flight_and_no_step_runs_past_the_last_
     dispatch runs a step past the last token any row owes: a lone request of max_tokens n runs n - 1
     decode steps (its first token comes from the prefill), not a multiple of 3. Both requests still
     give exactly their tokens alone."""
-    events: list[str] = []
-    forward, prefill, dispatch = engine._forward, engine._run_prefill, engine._decode_dispatch
-    arrival = {"armed": False, "dispatches": 0, "fresh": False, "handle": None}
     late_prompt = (9, 8, 7, 6)
-
-    def watched_dispatch():
-        arrival["dispatches"] += 1
-        arrival["fresh"] = True
-        return dispatch()
-
-    def watched_forward(*args):
-        events.append("forward")
-        if arrival["armed"] and arrival["fresh"] and arrival["dispatches"] == 2:  # a request arrives during
-            # the first step of the running request's second dispatch (3 steps owed or more)
-            arrival["armed"] = False
-            arrival["handle"] = engine.submit(GenerationRequest(late_prompt, 4, ignore_eos=True))
-            events.append("arrived")
-        arrival["fresh"] = False
-        return forward(*args)
-
-    def watched_prefill(tokens, *args):
-        events.append("prefill")
-        return prefill(tokens, *args)
-
-    monkeypatch.setattr(engine, "_forward", watched_forward)
-    monkeypatch.setattr(engine, "_run_prefill", watched_prefill)
-    monkeypatch.setattr(engine, "_decode_dispatch", watched_dispatch)
+    watch = ArrivalWatch(engine, monkeypatch, GenerationRequest(late_prompt, 4, ignore_eos=True))
     for max_tokens in (2, 5):
-        events.clear()
+        watch.events.clear()
         assert len(engine.submit(GenerationRequest((5, 6, 7), max_tokens, ignore_eos=True)).wait().token_ids) == max_tokens
-        assert events.count("forward") == max_tokens - 1, (max_tokens, events)
+        assert watch.events.count("forward") == max_tokens - 1, (max_tokens, watch.events)
 
-    events.clear()
-    arrival["armed"], arrival["dispatches"] = True, 0
+    watch.arm()
     running = engine.submit(GenerationRequest((7, 3, 4), 20, ignore_eos=True))
     assert list(running.wait().token_ids) == _reference(loaded, (7, 3, 4), 20)
-    assert "arrived" in events, events
     assert engine_module.LOOKAHEAD_STEPS == 2 and engine.steps_per_dispatch == 3
-    after_arrival = events[events.index("arrived") + 1 :]
-    assert after_arrival.index("prefill") == 1, events  # the step already enqueued, then the prefill
-    assert list(arrival["handle"].wait().token_ids) == _reference(loaded, late_prompt, 4)
+    assert watch.after_arrival().index("prefill") == 1, watch.events  # the step already enqueued, then the prefill
+    assert list(watch.handle.wait().token_ids) == _reference(loaded, late_prompt, 4)
+
+
+def test_a_prefill_chunk_reads_and_writes_what_the_whole_row_would(loaded):
+    """`prefill_step` copies out and back only a row's first kv_len + bucket slots (the past it reads,
+    its chunk's positions). With the sliding windows widened to 512 (rings of 512 + slack slots, which
+    a bound of 256 + 32 cuts) and full layers of 1,024 slots, a 300-token prompt in 32-token chunks at
+    the engine's KV bounds gives the logits and cache of the same forward on the whole row copied
+    out and back (to float rounding): a float32 cache without ring slack and an int8 one (scales [B, S, nkv]) with
+    4 slots of slack."""
+    from gemmax.engine.shapes import kv_buckets
+    from gemmax.engine.steps import init_device_state, prefill_step
+    from gemmax.model.forward import Precision, forward
+
+    base = loaded.checkpoint.config
+    config = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(spec, sliding_window=512) if spec.sliding_window else spec for spec in base.layers))
+    params = loaded.checkpoint.params
+    prompt = np.random.default_rng(3).integers(3, config.vocab_size, 300)
+
+    @functools.partial(jax.jit, static_argnames=("precision", "kv_len"))
+    def whole_row(device, tokens, slot, start, num_new, last, *, precision, kv_len):
+        logits, row = forward(params, device.cache.rows(slot), tokens, start[None], num_new[None], config=config,
+                              precision=precision, kv_len=kv_len, head_on=last)
+        return dataclasses.replace(device, cache=device.cache.put_rows(row, slot)), logits
+
+    def sliced(device, *args, precision, kv_len):
+        return prefill_step(params, device, *args, config=config, precision=precision, kv_len=kv_len)
+
+    assert kv_buckets(1024)[0] == 256
+    for kv_dtype, slack in ((jnp.float32, 0), (jnp.int8, 4)):
+        precision = Precision(jnp.float32, kv_dtype)
+        runs = []
+        for step in (sliced, whole_row):
+            device = init_device_state(config, 2, 1024, precision, slack)
+            for start in range(0, len(prompt), 32):
+                n = min(32, len(prompt) - start)
+                tokens = np.zeros((1, 32), np.int32)
+                tokens[0, :n] = prompt[start : start + n]
+                device, logits = step(device, jnp.asarray(tokens), jnp.int32(1), jnp.int32(start), jnp.int32(n),
+                                      jnp.bool_(start + n == len(prompt)), precision=precision,
+                                      kv_len=next(b for b in kv_buckets(1024) if b >= start))
+            runs.append((np.asarray(logits), jax.tree.leaves(device.cache)))
+        (logits, cache), (whole_logits, whole_cache) = runs  # XLA fuses the two shapes' sums apart: ~1e-6
+        np.testing.assert_allclose(logits, whole_logits, rtol=1e-4, atol=1e-4)
+        for a, b in zip(cache, whole_cache, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype == np.int8:  # a value at a rounding boundary may round the other way
+                assert np.abs(a.astype(np.int32) - b).max() <= 1 and np.mean(a != b) < 1e-3
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_the_wait_queue_is_bounded(engine, monkeypatch):

@@ -28,6 +28,7 @@ import re
 import jsonschema
 import pytest
 
+from arrival_watch import ArrivalWatch
 from gemmax.engine.api import Constraint, GenerationRequest, InvalidRequest, SamplingParams, validate_request
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.loading import load_model
@@ -319,36 +320,11 @@ def test_an_arrival_during_a_constrained_dispatch_waits_only_for_the_step_in_fli
     running request's second dispatch is prefilled right after that step (before: after the
     dispatch's other 3 forwards). Both requests give the tokens they give alone."""
     eng, tok = engine
-    events: list[str] = []
-    forward, prefill, dispatch = eng._forward, eng._run_prefill, eng._decode_dispatch
-    arrival = {"armed": False, "dispatches": 0, "fresh": False, "handle": None}
     late = GenerationRequest((9, 8, 7, 6), 4, ignore_eos=True)
     running = GenerationRequest(tuple(tok.encode("Name: ")), 16, constraint=Constraint("regex", "[a-z ]{100}"))
     alone = (_alone(eng, running), _alone(eng, late))
-
-    def watched_dispatch():
-        arrival["dispatches"] += 1
-        arrival["fresh"] = True
-        return dispatch()
-
-    def watched_forward(*args):
-        events.append("forward")
-        if arrival["armed"] and arrival["fresh"] and arrival["dispatches"] == 2:
-            arrival["armed"] = False
-            arrival["handle"] = eng.submit(late)
-            events.append("arrived")
-        arrival["fresh"] = False
-        return forward(*args)
-
-    def watched_prefill(tokens, *args):
-        events.append("prefill")
-        return prefill(tokens, *args)
-
-    monkeypatch.setattr(eng, "_forward", watched_forward)
-    monkeypatch.setattr(eng, "_run_prefill", watched_prefill)
-    monkeypatch.setattr(eng, "_decode_dispatch", watched_dispatch)
-    arrival["armed"] = True
+    watch = ArrivalWatch(eng, monkeypatch, late)
+    watch.arm()
     result = eng.submit(running).wait()
-    assert eng.steps_per_dispatch == 4 and "arrived" in events, events
-    assert events[events.index("arrived") + 1] == "prefill", events
-    assert (result.token_ids, arrival["handle"].wait().token_ids) == alone
+    assert eng.steps_per_dispatch == 4 and watch.after_arrival()[0] == "prefill", watch.events
+    assert (result.token_ids, watch.handle.wait().token_ids) == alone

@@ -107,10 +107,11 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
     """Prefill one chunk [1, bucket] of slot `slot`. Returns (device, logits [1, V] f32 at the last
     real position): computed on the prompt's last chunk only (`last_chunk`, traced: no extra shape;
     earlier chunks skip the LM head), where `first_tokens` draws the row's first token from them.
-    The slot's token, position and budget are the scheduler's to set."""
+    `kv_len` bounds the past it reads and must be at least `start`. The slot's token, position and
+    budget are the scheduler's to set."""
     # The slots it touches: the past it reads lies below kv_len (>= start), the chunk's own positions
     # below start + bucket.
-    row_cache = device.cache.rows(slot, kv_len=None if kv_len is None else kv_len + tokens.shape[1])
+    row_cache = device.cache.rows(slot, bound=None if kv_len is None else kv_len + tokens.shape[1])
     logits, row_cache, *h = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
                                     precision=precision, kv_len=kv_len, hidden=device.hidden is not None,
                                     head_on=last_chunk)
