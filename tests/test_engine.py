@@ -411,6 +411,14 @@ def test_shutdown_ends_every_queued_and_running_request(loaded):
     assert not eng.ready
 
 
+def test_a_one_token_prefill_bucket_is_refused():
+    from gemmax.engine.shapes import prefill_buckets
+
+    assert prefill_buckets(96, (8, 32, 128)) == (8, 32)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        prefill_buckets(96, (1, 32))
+
+
 def test_kv_buckets_cover_max_model_len():
     from gemmax.engine.shapes import kv_buckets
 

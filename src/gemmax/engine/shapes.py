@@ -10,7 +10,11 @@ import itertools
 
 
 def prefill_buckets(max_model_len: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The declared prefill lengths that fit max_model_len (at least one)."""
+    """The declared prefill lengths that fit max_model_len (at least one). A chunk of one token would
+    take the forward's decode path (write, then attend), whose KV bound must cover the new position,
+    where a prefill chunk's covers only the past: a bucket of 1 is refused."""
+    if min(buckets, default=2) < 2:
+        raise ValueError(f"prefill buckets must be at least 2 tokens, got {tuple(buckets)}")
     fitting = tuple(b for b in sorted(buckets) if b <= max_model_len)
     return fitting or (max_model_len,)
 
