@@ -17,6 +17,7 @@ from gemmax.engine.sampling import (
     _TIERS,
     SamplingState,
     _argmax,
+    _blocks_over_bar,
     _can_prove,
     _candidates,
     _filtered_sample,
@@ -253,7 +254,7 @@ def test_can_prove_holds_wherever_a_window_proves_a_row():
     block_max = jnp.max(blocks, axis=-1)
     weights = jnp.exp((blocks - jnp.max(block_max, axis=-1)[:, None, None]) / t[:, :, None])
     mass = jnp.sum(weights, axis=(1, 2))
-    over_bar = jnp.sum(jnp.max(weights, axis=-1) >= jnp.asarray(min_p, jnp.float32)[:, None] * (1 + 1e-4), axis=-1)
+    over_bar = _blocks_over_bar(jnp.max(weights, axis=-1), jnp.asarray(min_p, jnp.float32))
     proven_somewhere = np.zeros(len(rows), bool)
     for size in _TIERS:
         _, proven = _window(*_candidates(blocks, block_max, size), t, k, jnp.asarray(top_p, jnp.float32),

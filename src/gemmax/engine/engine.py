@@ -614,10 +614,11 @@ class BatchEngine:
 
     def _prefill_args(self, tokens: np.ndarray, slot: int, start: int, num_new: int,
                       last_chunk: bool) -> tuple[tuple, dict[str, Any]]:
-        assert self.shapes.kv_bound(start) >= start  # prefill_step copies only the slots below kv_len + bucket
+        kv_len = self.shapes.kv_bound(start)
+        assert kv_len >= start  # prefill_step copies only the slots below kv_len + bucket
         return ((self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
                  jnp.bool_(last_chunk)),
-                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_bound(start)})
+                {"config": self.config, "precision": self.precision, "kv_len": kv_len})
 
     @_replayed
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,

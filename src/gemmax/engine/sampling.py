@@ -185,6 +185,12 @@ def _can_prove(size: int, k, top_p, min_p, mass, over_bar) -> jax.Array:
     return (k <= size) | ((~p_on | k_off) & (by_mass | by_bar))
 
 
+def _blocks_over_bar(block_best: jax.Array, min_p: jax.Array) -> jax.Array:
+    """[B]: the blocks whose best entry (`block_best` [B, nb], p / p_max) clears the min-p bar, with
+    slack for rounding (never more than clear it): `_can_prove`'s `over_bar`."""
+    return jnp.sum(block_best >= min_p[:, None] * (1 + 1e-4), axis=-1)
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """float32 [..] -> uint32 [..] in the same order (-0.0 counted as +0.0; -inf lowest)."""
     bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)
@@ -296,8 +302,7 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
         jnp.any(plain | (filtered & (top_p < 1.0) & (k == _OFF))),
         lambda: jnp.sum(weights(blocks), axis=-1), lambda: jnp.zeros_like(block_max))
     mass = jnp.sum(block_mass, axis=-1)  # [B]
-    # [B]: blocks whose best entry clears the min-p bar (with slack for rounding: never more than clear it)
-    over_bar = jnp.sum(weights(block_max[:, :, None])[:, :, 0] >= min_p[:, None] * (1 + 1e-4), axis=-1)
+    over_bar = _blocks_over_bar(weights(block_max[:, :, None])[:, :, 0], min_p)
     zeros = jnp.zeros(B, jnp.int32)
 
     def plain_ids():
