@@ -446,10 +446,11 @@ def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
         eng.shutdown(1)
 
 
-def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
-    """A group's decode step (decode_forward of the rows, then decode_sample) with a KV-length bound
-    below the cache (full layers) and below the sliding ring (window 4, positions 0-2) moves only
-    those slots of its rows, and gives the outputs and the cache of the unbounded step."""
+def test_a_group_step_reads_the_bound_that_holds_its_rows_and_touches_no_other_row(loaded):
+    """A group's decode step (decode_forward of the rows, then decode_sample) with the tuple of KV
+    bounds (2, 4, 64) writes and reads its rows of the cache in place and, over positions 0-5 (the
+    step reads 2, then 4, then 64 slots; the sliding ring has 4), gives the outputs and the cache of
+    the step that reads every slot; the rows outside the group stay as they were."""
     import jax
 
     from gemmax.engine.steps import decode_forward, decode_sample, init_device_state
@@ -457,21 +458,25 @@ def test_small_group_step_moves_only_the_slots_kv_len_bounds(loaded):
     config, params, precision = loaded.checkpoint.config, loaded.checkpoint.params, loaded.policy.precision()
     assert config.sliding_window == 4
     rows, results = jnp.asarray([1, 2], jnp.int32), {}
-    for kv_len in (None, 3):
+    for kv_len in (None, (2, 4, 64)):
         device = init_device_state(config, 4, 64, precision)
         device = dataclasses.replace(device, tokens=jnp.asarray([5, 7, 9, 11]), remaining=jnp.full(4, 8, jnp.int32))
+        before = jax.device_get(device.cache)
         want = jnp.zeros(4, jnp.bool_)
         outs = []
-        for _ in range(3):  # positions 0, 1, 2: kv_len 3 covers them all
+        for _ in range(6):
             device, logits = decode_forward(params, device, rows, config=config, precision=precision, kv_len=kv_len)
             device, out = decode_sample(device, logits, want, None, rows)
-            outs.append(jax.device_get(out[:2]))
+            outs.append((jax.device_get(logits), jax.device_get(out[0])))
         results[kv_len] = (outs, jax.device_get(device.cache))
-    (outs_all, cache_all), (outs_bound, cache_bound) = results[None], results[3]
-    for (ids_a, lp_a), (ids_b, lp_b) in zip(outs_all, outs_bound, strict=True):
-        assert np.array_equal(ids_a, ids_b) and np.allclose(lp_a, lp_b, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(results[kv_len][1]), strict=True):
+            assert np.array_equal(a[np.asarray([0, 3])], b[np.asarray([0, 3])])
+    (outs_all, cache_all), (outs_bound, cache_bound) = results[None], results[(2, 4, 64)]
+    for (logits_a, ids_a), (logits_b, ids_b) in zip(outs_all, outs_bound, strict=True):
+        assert np.array_equal(ids_a, ids_b) and np.allclose(logits_a, logits_b, atol=1e-4)
     for a, b in zip(jax.tree.leaves(cache_all), jax.tree.leaves(cache_bound), strict=True):
-        assert np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+        # sums over fewer (masked) slots round differently: ~2e-5 on these float32 values
+        assert np.allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------ reliability

@@ -21,15 +21,17 @@ on disk as executables that the next start loads (gemmax.engine.executables):
     decode_forward    tokens [max_batch, 1], the forward of one step for every slot (idle slots
                       write nothing) -> logits [max_batch, V]; or of a group of k < max_batch slots
                       (k = 1, 2, 4, ...), used when few requests are running: a decode step's cost
-                      grows with its batch
+                      grows with its batch. One program per group for every context length: each
+                      layer reads the smallest KV-length bucket (256, 1024, 4096 ... max_model_len)
+                      that holds the rows' context, a branch chosen on the device (`forward`)
     decode_sample[k]  the step's sampling, one program per group size whatever the KV bound: every
                       decode step is these two dispatches (the sampler was about half of each
                       fused step's compile time; splitting cost nothing measurable per step)
     verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
                       proposal length k in SPEC_KS: one step scores k proposed tokens per row
-    x kv_len          each decode forward per KV-length bucket (256, 1024, 4096 ... max_model_len), and
-                      each prefill shape per bucket its chunk start can need: a step reads only the
-                      cache slots its context can use (full layers; rings not yet wrapped)
+    x kv_len          each prefill shape per KV-length bucket its chunk start can need (and each
+                      verify step per bucket): a step reads only the cache slots its context can use
+                      (full layers; rings not yet wrapped)
 
 While a constrained request runs, the host fills each step's token masks while the forward runs
 (`_decode_constrained`): `decode_sample` with a mask (per group) and the masked prefill compile on
@@ -487,7 +489,7 @@ class BatchEngine:
         self._init_device_state()
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
             self.prefix_cache.clear()
-        prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.decode_shapes)
+        prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.verify_shapes)
         shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
         shapes += 0 if self.mtp is None else 2 * decodes * len(self.spec_ks)
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
@@ -501,9 +503,9 @@ class BatchEngine:
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
         """(step, args, statics) of every declared shape, built as the device calls build them: every
-        (bucket, KV bound) pair a prompt's chunks can need, the decode forward of every (decode
-        group, KV bound) and the decode sampling of every group, and the verify steps of
-        speculative decoding."""
+        (bucket, KV bound) pair a prompt's chunks can need, the decode forward and the decode
+        sampling of every decode group, and the verify steps of speculative decoding (per group,
+        KV bound and k)."""
         calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True))
                  for (bucket, _), start in self.shapes.prefill_shapes().items()]
         calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows), 0,
@@ -517,12 +519,11 @@ class BatchEngine:
                   for size in self.shapes.decode_groups}
         calls += [("decode_sample", (self.device, self._logits_like(size), want, None, rows), {})
                   for size, rows in groups.items()]
-        for size, kv_len in self.shapes.decode_shapes:
-            calls.append(("decode_forward", *self._forward_args(groups[size], kv_len)))
-            if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
-                calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32),
-                                                             np.zeros((size, k), np.int32), np.zeros(size, np.int32),
-                                                             kv_len)) for k in self.spec_ks]
+        calls += [("decode_forward", *self._forward_args(rows)) for rows in groups.values()]
+        if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
+            calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
+                                                         np.zeros(size, np.int32), kv_len))
+                      for size, kv_len in self.shapes.verify_shapes for k in self.spec_ks]
         return calls
 
     def _warm_up_drafter(self) -> None:
@@ -533,7 +534,7 @@ class BatchEngine:
         if self.drafter is not None:
             for (bucket, _), start in self.shapes.prefill_shapes().items():
                 self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1)
-        for size, kv_len in self.shapes.decode_shapes:
+        for size, kv_len in self.shapes.verify_shapes:
             for k in self.spec_ks:
                 rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
                 proposals, q = self._drafted(rows, {}, table, k, kv_len)
@@ -682,10 +683,11 @@ class BatchEngine:
         """A decode group's slots as the steps take them (None: every slot)."""
         return None if rows is None else jnp.asarray(rows, jnp.int32)
 
-    def _forward_args(self, rows: jax.Array | None, kv_len: int) -> tuple[tuple, dict[str, Any]]:
-        """decode_forward's arguments for every slot (`rows` None) or the group `rows`."""
+    def _forward_args(self, rows: jax.Array | None) -> tuple[tuple, dict[str, Any]]:
+        """decode_forward's arguments for every slot (`rows` None) or the group `rows`: one program per
+        group, which reads the smallest KV bucket that holds its rows' context (`forward`)."""
         return ((self.params, self.device, rows),
-                {"config": self.config, "precision": self.precision, "kv_len": kv_len,
+                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_buckets,
                  "row_invariant": self.batch_invariant})
 
     def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
@@ -696,30 +698,27 @@ class BatchEngine:
                 {"config": self.config, "precision": self.precision, "kv_len": kv_len})
 
     @_replayed
-    def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None,
-                         kv_len: int | None = None):
+    def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
         returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
-        computed. `kv_len` must cover every active row's position through the last of these steps.
-        Each step is two dispatches: the forward (logits), then the sampling."""
+        computed. Each step is two dispatches: the forward (logits), then the sampling."""
         outputs = []
         want = jnp.asarray(want_logprobs)
-        kv_len = kv_len or self.max_model_len
         group = self._group_rows(rows)
         for _ in range(steps):
-            logits = self._forward(group, kv_len)
+            logits = self._forward(group)
             self.device, out = self.steps.decode_sample(self.device, logits, want, None, group)
             outputs.append(out)
         return outputs
 
-    def _forward(self, rows: jax.Array | None, kv_len: int) -> jax.Array:
+    def _forward(self, rows: jax.Array | None) -> jax.Array:
         """Enqueue the forward half of a decode step; returns its logits."""
-        args, statics = self._forward_args(rows, kv_len)
+        args, statics = self._forward_args(rows)
         self.device, logits = self.steps.decode_forward(*args, **statics)
         return logits
 
-    def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
+    def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of) -> None:
         """`steps` decode steps while some row is constrained, pipelined as vLLM does: step n's
         forward is on the device while the host fills step n's masks (which need step n - 1's
         tokens, consumed by the matchers), then step n's sampling is enqueued with them and at once
@@ -740,7 +739,7 @@ class BatchEngine:
             for i in slot_of:
                 if self._slots[i] is not None:
                     self._slots[i].uncompiled = True
-        logits = self._forward(group, kv_len)
+        logits = self._forward(group)
         for n in range(steps):
             if n and all(self._slots[i] is None for i in slot_of):
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
@@ -748,7 +747,7 @@ class BatchEngine:
             self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
             last = n + 1 == steps or self._admission_waiting()
             if not last:
-                logits = self._forward(group, kv_len)
+                logits = self._forward(group)
             self._deliver(out, slot_of)
             if last:
                 break
@@ -1089,27 +1088,26 @@ class BatchEngine:
         # No step past the last token any row still owes: a finished request's tail steps would
         # delay the next request's prefill (a 64-token request used to compute 1 of its last 4 steps for nothing).
         steps = min(self.steps_per_dispatch, max(s.budget - len(s.tokens) for s in self._slots if s is not None))
-        kv_len = self._kv_bound_after(steps)
         if constrained:
-            self._decode_constrained(steps, rows, slot_of, kv_len)
+            self._decode_constrained(steps, rows, slot_of)
         else:  # the mask-free step: no row waits for the host's masks
-            self._decode_free(steps, rows, slot_of, kv_len)
+            self._decode_free(steps, rows, slot_of)
         self._reap_cancelled()
 
-    def _decode_free(self, steps: int, rows: np.ndarray | None, slot_of, kv_len: int) -> None:
+    def _decode_free(self, steps: int, rows: np.ndarray | None, slot_of) -> None:
         """Up to `steps` mask-free decode steps, LOOKAHEAD_STEPS of them in flight (the device never
         waits for the host's delivery). No further step is enqueued once a queued request could take a
         free slot, or every row has ended: an arrival waits for the steps in flight, not the rest of
         the dispatch, before its prefill runs. Across processes every step of the dispatch is one
         replayed call, as before (each call costs the followers two broadcasts: docs/mesh.md)."""
         ahead = steps if self.schedule is not None else min(steps, LOOKAHEAD_STEPS)
-        pending = self._dispatch_decode(ahead, self.want_logprobs, rows, kv_len)
+        pending = self._dispatch_decode(ahead, self.want_logprobs, rows)
         for _ in range(steps - ahead):
             self._deliver(pending.pop(0), slot_of)  # this step's tokens go out while the device runs the next
             self._reap_cancelled()
             if self._admission_waiting() or all(self._slots[i] is None for i in slot_of):
                 break
-            pending += self._dispatch_decode(1, self.want_logprobs, rows, kv_len)
+            pending += self._dispatch_decode(1, self.want_logprobs, rows)
         for out in pending:
             self._deliver(out, slot_of)
 

@@ -144,6 +144,7 @@ class ShapePlan:
         return prefill_shapes(self.buckets, self.max_model_len, self.kv_bound)
 
     @property
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        """(group size, KV bound) of every compiled decode step."""
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(group size, KV bound) of every compiled speculative verify step (and drafter step); a
+        decode step is one program per group, whatever the bound (`forward`'s tuple of bounds)."""
         return [(size, kv_len) for size in self.decode_groups for kv_len in self.kv_buckets]

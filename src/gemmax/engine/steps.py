@@ -3,11 +3,12 @@ several whole short prompts into several slots in one forward (`prefill_rows`), 
 last chunk's logits, from which `first_tokens` draws each prompt's first token (one sampler program
 per row count, not a copy in every bucket and KV bound's program), a decode step of
 every slot or of a group of slots as two dispatches (`decode_forward`: cache write and logits, per
-group and KV bound; `decode_sample`: the draw, per group, so every KV bound shares one sampler
-program), and the speculative verify step of a group of slots, over one `DeviceState` pytree that
-each donates and returns. Each takes `config`, `precision` and `kv_len` (the cache slots it reads)
-as static arguments, so the engine's compiled shapes are exactly the (bucket | group) x kv_len
-pairs it warms up. `decode_step` is the two halves of a full-batch step in one program: what the
+group, reading the KV bucket its rows need, chosen on the device from the tuple of buckets it is
+given; `decode_sample`: the draw, per group), and the speculative verify step of a group of slots,
+over one `DeviceState` pytree that each donates and returns. Each takes `config`, `precision` and
+`kv_len` (the cache slots it reads, or for a decode forward the tuple of bounds it chooses from) as
+static arguments, so the engine's compiled shapes are exactly the (bucket | group) x kv_len pairs
+it warms up. `decode_step` is the two halves of a full-batch step in one program: what the
 profiler traces and the decode benchmarks time (one module per step).
 
 Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
@@ -152,13 +153,14 @@ def first_tokens(device: DeviceState, logits, want_logprobs, rows, take, mask=No
 
 
 def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant,
-                  hidden: bool = False):
+                  hidden: bool = False, rows=None):
     """forward of one new token per row: tokens, positions, active [B] -> (logits [B, V], cache) and,
     with `hidden` (one device, not row-invariant: speculative decoding), the hidden states [B, H].
-    `row_invariant`: row by row, each exactly the one-row computation (module docstring)."""
+    `rows` [B]: the cache row of each row (None: row b). `row_invariant`: row by row, each exactly the
+    one-row computation (module docstring)."""
     if hidden or not row_invariant or tokens.shape[0] == 1:
         return forward(params, cache, tokens[:, None], positions, active.astype(jnp.int32), config=config,
-                       precision=precision, kv_len=kv_len, hidden=hidden)
+                       precision=precision, kv_len=kv_len, hidden=hidden, rows=rows)
     logits = []
     for b in range(tokens.shape[0]):
         row = (tokens[b : b + 1], positions[b : b + 1], active[b : b + 1])
@@ -166,9 +168,9 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
             # Row b's inputs depend on row b-1's logits: XLA can neither merge the rows' products into
             # one GEMM (its dot merger) nor fuse across rows, so every row compiles as a one-row step.
             logits[-1], row = lax.optimization_barrier((logits[-1], row))
-        row_logits, row_cache = forward(params, cache.rows(b), row[0][:, None], row[1], row[2].astype(jnp.int32),
-                                        config=config, precision=precision, kv_len=kv_len)
-        cache = cache.put_rows(row_cache, b)
+        row_logits, cache = forward(params, cache, row[0][:, None], row[1], row[2].astype(jnp.int32), config=config,
+                                    precision=precision, kv_len=kv_len,
+                                    rows=jnp.full((1,), b, jnp.int32) if rows is None else rows[b : b + 1])
         logits.append(row_logits)
     return jnp.concatenate(logits, axis=0), cache
 
@@ -226,24 +228,25 @@ def decode_step(params, device: DeviceState, want_logprobs, *, config, precision
 # The engine's decode step is two dispatches: `decode_forward` (cache update, logits), then
 # `decode_sample` (next tokens; with a mask for constrained decoding, whose host fills step n's
 # token masks while the device runs step n's forward: the engine's `_decode_constrained`). The
-# sampler is one program per group size instead of a copy in every (group, KV bound) program.
+# sampler is one program per group size instead of a copy in every forward program.
 
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_forward(params, device: DeviceState, rows=None, *, config, precision, kv_len=None, row_invariant=False):
     """The forward half of a decode step of every slot (`rows` None) or of the group `rows` [k]:
     returns (device with its cache written, logits [B or k, V] f32 of each row's next token).
 
-    A group's cache rows and state are gathered, stepped and scattered back: a decode step costs
-    about its batch in weight re-reads on CPU (a batch-8 step ~3x a batch-1 step), so few active
-    requests run in a small group. Of the cache, only the first kv_len slots of each row move
-    (`KVCache.gather`): moving whole rows cost ~20% of a step of the built-in model."""
-    sub = device if rows is None else _gather(device, rows, kv_len)
-    logits, cache, *h = _forward_rows(params, sub.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
-                                      precision, kv_len, row_invariant, sub.hidden is not None)
+    A group's state is gathered, stepped and scattered back: a decode step costs about its batch in
+    weight re-reads on CPU (a batch-8 step ~3x a batch-1 step), so few active requests run in a
+    small group. Its cache rows are not moved: the forward writes each row's new position into the
+    cache in place and reads the rows it needs (`forward`'s `rows`). `kv_len`: a bound, or the
+    tuple of bounds (the shape plan's KV buckets) the step chooses from at run time (`forward`)."""
+    sub = device if rows is None else _gather(device, rows, cache=False)
+    logits, cache, *h = _forward_rows(params, device.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
+                                      precision, kv_len, row_invariant, sub.hidden is not None, rows)
     hidden = _keep_hidden(sub.hidden, h[0] if h else None, sub.remaining > 0)  # the token decode_sample draws
     if rows is None:
         return dataclasses.replace(device, cache=cache, hidden=hidden), logits
-    return dataclasses.replace(device, cache=device.cache.scatter(rows, cache, kv_len),
+    return dataclasses.replace(device, cache=cache,
                                hidden=None if hidden is None else device.hidden.at[rows].set(hidden)), logits
 
 

@@ -11,12 +11,14 @@ sliding layers), never from slot order. All shapes are static under `jit`; `conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from gemmax.model.config import LayerSpec, ModelConfig
@@ -89,8 +91,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, nh, hd)
+    # probs [B, nkv, g * T, S] times v over S, batched over (B, nkv): spelled as the einsum
+    # "bkgts,bskd->btkgd", XLA:CPU copied v transposed ([B, hd, S]) before every product; as this
+    # dot_general it reads v as it lies (a batch-8 step of the built-in model: measured in docs/cpu_decode.md).
+    out = lax.dot_general(probs.reshape(B, nkv, -1, probs.shape[-1]), v, (((3,), (1,)), ((0, 1), (0, 2))))
+    return out.reshape(B, nkv, nh // nkv, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
 
 
 @jax.tree_util.register_dataclass
@@ -153,7 +158,11 @@ class _Batch:
     new_pos: jax.Array  # [B, T] absolute positions of the new tokens
     new_valid: jax.Array  # [B, T] real (not padding) new tokens
     q_pos: jax.Array  # [B, Tq] positions of the queries still being computed
-    kv_len: int | None = None  # static: attention reads only cache slots [0, kv_len) where kv_len < slots
+    # static: attention reads only cache slots [0, kv_len) where kv_len < slots; a tuple of bounds
+    # (one-token steps): the smallest that holds every row, chosen at run time (`kv_index`)
+    kv_len: int | tuple[int, ...] | None = None
+    kv_index: jax.Array | None = None  # [] i32: which of a tuple kv_len's bounds this step reads
+    rows: jax.Array | None = None  # [B]: the cache row of each row (one-token steps; None: row b)
     tables: dict = dataclasses.field(default_factory=dict)  # rope_tables per (positions, frequencies)
 
     def rope(self, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -177,7 +186,7 @@ def _attention(
     config: ModelConfig,
     batch: _Batch,
     cache_entry: LayerCache | None,
-    shared: dict[int, tuple[Keys | None, Keys]],
+    shared: dict[int, LayerCache | tuple[Keys | None, Keys]],  # per donor layer: its cache, or (past, own)
     layer_index: int,
 ):
     """Returns (attention output [B, Tq, H], updated cache entry or None)."""
@@ -199,22 +208,43 @@ def _attention(
             # old cache while updating it in place makes XLA keep a copy of the whole cache (two
             # copies per array per step on CPU). On a sliding ring the write overwrites position
             # p - window, which query p no longer sees.
-            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
-            visible = new_entry.visible(batch.kv_len)
-            key_pos, key_valid = slot_positions(batch.start + jnp.sum(batch.new_valid, axis=1), visible.slots)
-            past, own = None, Keys(visible.read("k", k.dtype), visible.read("v", v.dtype), key_pos, key_valid)
+            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window),
+                                          rows=batch.rows)
+            shared[layer_index] = new_entry
         else:  # a chunk can overwrite ring slots its own earlier queries still see: read, then write
             visible = cache_entry.visible(batch.kv_len)
             past = Keys(visible.read("k", k.dtype), visible.read("v", v.dtype),
                         *slot_positions(batch.start, visible.slots))
             own = Keys(k, v, batch.new_pos, batch.new_valid)
             new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
-        shared[layer_index] = (past, own)
+            shared[layer_index] = (past, own)
+    keys = shared[layer_index if spec.owns_kv else spec.kv_donor]
+    if isinstance(keys, LayerCache):  # a one-token step: the cache after its write
+        out = _attend_step(q, keys, batch, spec.sliding_window, config.attention_scale)
     else:
-        past, own = shared[spec.kv_donor]
-
-    out = attend_chunk(q, batch.q_pos, past, own, spec.sliding_window, config.attention_scale)
+        out = attend_chunk(q, batch.q_pos, *keys, spec.sliding_window, config.attention_scale)
     return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
+
+
+def _attend_step(q: jax.Array, entry: LayerCache, batch: _Batch, window: int | None, scale: float) -> jax.Array:
+    """One-token queries q [B, 1, nh, hd] over a layer's cache `entry` after the step's write, reading
+    each row's cache row (`batch.rows`) up to the step's KV bound. With a tuple of bounds, one branch
+    per distinct bound (a ring's slots cap it) under `lax.switch` on `batch.kv_index`: one program
+    reads what the context needs, where a static bound needs a program per bound."""
+    bounds = batch.kv_len if isinstance(batch.kv_len, tuple) else (batch.kv_len,)
+    sizes = [entry.slots if bound is None else min(bound, entry.slots) for bound in bounds]
+    distinct = sorted(set(sizes))
+    cached = batch.start + jnp.sum(batch.new_valid, axis=1)
+
+    def within(size: int) -> jax.Array:
+        visible = entry.visible(size).take(batch.rows)
+        keys = Keys(visible.read("k", q.dtype), visible.read("v", q.dtype), *slot_positions(cached, size))
+        return attend_chunk(q, batch.q_pos, None, keys, window, scale)
+
+    if len(distinct) == 1:
+        return within(distinct[0])
+    branch = jnp.asarray([distinct.index(size) for size in sizes], jnp.int32)[batch.kv_index]
+    return jax.lax.switch(branch, [functools.partial(within, size) for size in distinct])
 
 
 def _decoder_layer(layer, h, ple_l, spec, config, batch, cache_entry, shared, layer_index):
@@ -306,14 +336,19 @@ def forward(
     config: ModelConfig,
     precision: Precision = Precision(),
     logits: Literal["last", "all"] = "last",
-    kv_len: int | None = None,
+    kv_len: int | tuple[int, ...] | None = None,
     hidden: bool = False,
     head_on: jax.Array | None = None,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Append tokens [B, T] (row b: its first num_new[b] are real, the rest padding) after start[b]
     cached tokens. `kv_len` (static) bounds the cache slots read (full layers, and sliding rings that
     have not wrapped yet), so attention costs what the context uses, not max_len: it must be at least
-    every start[b], and for one-token steps (T = 1, written before attending) start[b] + 1.
+    every start[b], and for one-token steps (T = 1, written before attending) start[b] + 1. For
+    one-token steps `kv_len` may be a tuple of ascending bounds ending at max_len: the step reads the
+    smallest that holds every row's cache after its write, chosen at run time (one program for every
+    context length), and `rows` [B] names the cache row of each row, so a group of a larger cache
+    writes and reads its own rows in place (None: row b is cache row b).
     Returns (logits, new cache): logits [B, V] at each row's last real token (`logits="last"`; rows
     with num_new 0 get garbage) or [B, T, V] (`"all"`). `hidden` (static): also return the last
     hidden state after the final norm, [B, H] or [B, T, H] like the logits (what an MTP assistant
@@ -324,7 +359,14 @@ def forward(
     B, T = tokens.shape
     t = jnp.arange(T)[None, :]
     new_pos = start[:, None] + t
-    batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len)
+    if isinstance(kv_len, tuple) or rows is not None:
+        assert T == 1, "a tuple of KV bounds and cache rows are for one-token steps"
+    kv_index = None
+    if isinstance(kv_len, tuple):  # the first bound that holds every real row's cache after the step
+        needed = jnp.max(jnp.where(num_new > 0, start + num_new, 0))
+        kv_index = jnp.sum(needed > jnp.asarray(kv_len[:-1], jnp.int32)).astype(jnp.int32)
+    batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len,
+                   kv_index=kv_index, rows=rows)
 
     h = embed(params, tokens, config, precision.activation)
     ple = per_layer_inputs(params, tokens, h, config) if config.hidden_size_per_layer_input else None

@@ -108,9 +108,15 @@ class LayerCache:
             return self
         return jax.tree.map(lambda a: a[:, :kv_len], self)
 
-    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array, ring: bool) -> LayerCache:
+    def take(self, rows: jax.Array | None) -> LayerCache:
+        """Rows `rows` [g] of this entry (None: all of them, as they are)."""
+        return self if rows is None else jax.tree.map(lambda a: a[rows], self)
+
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array, ring: bool,
+              rows: jax.Array | None = None) -> LayerCache:
         """Scatter new K/V [B, T, nkv, hd] at absolute `positions` [B, T]; only `real` [B, T] tokens
-        are written, and on a ring only the last S real positions of the chunk (no two writes race)."""
+        are written, and on a ring only the last S real positions of the chunk (no two writes race).
+        `rows` [B]: the cache row each of the B rows writes (None: row b writes cache row b)."""
         slots = self.slots
         keep = real
         if ring:
@@ -120,7 +126,7 @@ class LayerCache:
         else:
             slot = positions
         slot = jnp.where(keep, slot, slots)  # out of range -> dropped
-        rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slot.shape)
+        rows = jnp.broadcast_to((jnp.arange(k.shape[0]) if rows is None else rows)[:, None], slot.shape)
         new: dict[str, jax.Array] = {"k": k, "v": v}
         if self.k_scale is not None:
             for name in ("k", "v"):
