@@ -37,7 +37,8 @@ def _decode(handles):
 
 def test_greedy_tokens_and_logprobs_are_bit_identical_alone_and_batched(engine):
     """Four prompts alone (decode group 1), then together on three slots (groups of 2 and 3 as they
-    start and finish), one of them long enough that the others then read a larger KV-length bucket."""
+    start and finish), one of them long enough to read the larger KV-length bucket (row by row, each
+    row's step reads the bucket its own context needs, as alone)."""
     assert engine.info["batch_invariant"] and engine.shapes.kv_buckets == (256, 300)
     rng = np.random.default_rng(3)
     lengths, budgets = [5, 12, 240, 3], [40, 24, 40, 32]

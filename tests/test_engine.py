@@ -419,6 +419,21 @@ def test_a_one_token_prefill_bucket_is_refused():
         prefill_buckets(96, (1, 32))
 
 
+def test_a_step_reads_the_first_bound_that_holds_every_real_row():
+    from gemmax.model.forward import kv_bound_index
+
+    bounds = (256, 1024, 2048)
+
+    def index(start, num_new):
+        return int(kv_bound_index(bounds, jnp.asarray(start, jnp.int32), jnp.asarray(num_new, jnp.int32)))
+
+    assert index([0, 254], [1, 1]) == 0 and index([0, 255], [1, 1]) == 0  # 256 positions fit 256
+    assert index([255, 0], [0, 1]) == 0  # an idle row's length does not count, wherever it is
+    assert index([256, 0], [1, 1]) == 1 and index([10, 1500], [1, 1]) == 2  # the furthest row, not the first
+    assert index([1023, 5], [1, 1]) == 1 and index([1024, 5], [1, 1]) == 2
+    assert index([2000, 7], [0, 0]) == 0  # no real row
+
+
 def test_kv_buckets_cover_max_model_len():
     from gemmax.engine.shapes import kv_buckets
 
@@ -448,9 +463,9 @@ def test_long_prompts_and_kv_buckets_use_only_warmed_shapes(hf_checkpoints):
 
 def test_a_group_step_reads_the_bound_that_holds_its_rows_and_touches_no_other_row(loaded):
     """A group's decode step (decode_forward of the rows, then decode_sample) with the tuple of KV
-    bounds (2, 4, 64) writes and reads its rows of the cache in place and, over positions 0-5 (the
-    step reads 2, then 4, then 64 slots; the sliding ring has 4), gives the outputs and the cache of
-    the step that reads every slot; the rows outside the group stay as they were."""
+    bounds (2, 4, 64) writes and reads its rows of the cache in place and, over 6 steps of rows at
+    positions 0 and 3 (the step reads 4, then 64 slots; the sliding ring has 4), gives the outputs and
+    the cache of the step that reads every slot; the rows outside the group stay as they were."""
     import jax
 
     from gemmax.engine.steps import decode_forward, decode_sample, init_device_state
@@ -460,7 +475,9 @@ def test_a_group_step_reads_the_bound_that_holds_its_rows_and_touches_no_other_r
     rows, results = jnp.asarray([1, 2], jnp.int32), {}
     for kv_len in (None, (2, 4, 64)):
         device = init_device_state(config, 4, 64, precision)
-        device = dataclasses.replace(device, tokens=jnp.asarray([5, 7, 9, 11]), remaining=jnp.full(4, 8, jnp.int32))
+        # row 2 starts 3 positions on (its first 3 slots hold zeros): the bound follows the further row
+        device = dataclasses.replace(device, tokens=jnp.asarray([5, 7, 9, 11]), remaining=jnp.full(4, 8, jnp.int32),
+                                     positions=jnp.asarray([0, 0, 3, 0], jnp.int32))
         before = jax.device_get(device.cache)
         want = jnp.zeros(4, jnp.bool_)
         outs = []

@@ -26,6 +26,7 @@ from gemmax.engine.fastpath import (
     split_columns,
 )
 from gemmax.engine.policy import choose_policy
+from gemmax.engine.shapes import kv_buckets
 from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import init_cache
@@ -207,25 +208,29 @@ def test_engine_decode_step_gets_the_fast_path(six_layers, batch):
     device = jax.eval_shape(lambda: init_device_state(config, batch, 1024, precision))
     cache = device.cache
     hlo = decode_step.lower(params, device, jax.ShapeDtypeStruct((batch,), jnp.bool_), config=config,
-                            precision=precision, kv_len=256).compile().as_text()
+                            precision=precision, kv_len=kv_buckets(1024)).compile().as_text()
     assert check_decode_hlo(hlo, batch) == []
     assert GEMV in decode_weight_reads(hlo)["params['embed']"] or batch > 1
     # The bf16 cache is written in place: no step converts or copies a whole cache array.
     assert cache_rewrites(hlo, _cache_shapes(cache)) == []
 
 
-def test_engine_small_group_decode_gets_the_fast_path(six_layers):
-    """A group's decode forward (one active request among 8 slots) gathers its rows and still reads
-    every matrix fast."""
+@pytest.mark.parametrize("rows, row_invariant", [(1, False), (2, True), (None, True)])
+def test_engine_group_decode_writes_the_cache_in_place_and_gets_the_fast_path(six_layers, rows, row_invariant):
+    """A decode forward as the engine compiles it (the KV buckets to choose from at run time) of a
+    group (1 active request among 8 slots; 2 rows) or of every slot, row by row when row-invariant,
+    writes and reads its rows of the cache in place (no cache array copied or converted whole) and
+    reads every matrix fast."""
     from gemmax.engine.steps import decode_forward, init_device_state
 
     config, _, params = six_layers
     precision = CPU.precision()
     device = jax.eval_shape(lambda: init_device_state(config, 8, 1024, precision))
     cache = device.cache
-    hlo = decode_forward.lower(params, device, jax.ShapeDtypeStruct((1,), jnp.int32), config=config,
-                               precision=precision, kv_len=256).compile().as_text()
-    assert check_decode_hlo(hlo, 1) == []
+    group = None if rows is None else jax.ShapeDtypeStruct((rows,), jnp.int32)
+    hlo = decode_forward.lower(params, device, group, config=config, precision=precision, kv_len=kv_buckets(1024),
+                               row_invariant=row_invariant).compile().as_text()
+    assert check_decode_hlo(hlo, 1) == [] or rows != 1
     assert cache_rewrites(hlo, _cache_shapes(cache)) == []
 
 

@@ -8,15 +8,16 @@ given; `decode_sample`: the draw, per group), and the speculative verify step of
 over one `DeviceState` pytree that each donates and returns. Each takes `config`, `precision` and
 `kv_len` (the cache slots it reads, or for a decode forward the tuple of bounds it chooses from) as
 static arguments, so the engine's compiled shapes are exactly the (bucket | group) x kv_len pairs
-it warms up. `decode_step` is the two halves of a full-batch step in one program: what the
+it warms up: one decode forward per group. `decode_step` is the two halves of a full-batch step in one program: what the
 profiler traces and the decode benchmarks time (one module per step).
 
 Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
 rows at once (a GEMM), which sums in another order than the one-row matrix-vector form, so a greedy
 text can change at a near-tie with what shares its batch (docs/server.md). With `row_invariant` the
-decode steps compute each row as the one-row step does, one row after another: a row's logits are
-then bit-identical whatever the group size, the other rows and the KV-length bound (tested), at the
-cost of one weight read per row (about a single stream's speed per row).
+decode steps compute each row as the one-row step does, one row after another, each reading the
+KV-length bucket its own context needs: a row's logits are then bit-identical whatever the group
+size and the other rows (tested), at the cost of one weight read per row (about a single stream's
+speed per row).
 
 Speculative verify (`verify_rows`): each row's last token and up to k proposed tokens [B, k+1] at
 positions n..n+k go through one forward; the target's token after each input is drawn as the
@@ -168,9 +169,14 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
             # Row b's inputs depend on row b-1's logits: XLA can neither merge the rows' products into
             # one GEMM (its dot merger) nor fuse across rows, so every row compiles as a one-row step.
             logits[-1], row = lax.optimization_barrier((logits[-1], row))
-        row_logits, cache = forward(params, cache, row[0][:, None], row[1], row[2].astype(jnp.int32), config=config,
-                                    precision=precision, kv_len=kv_len,
-                                    rows=jnp.full((1,), b, jnp.int32) if rows is None else rows[b : b + 1])
+        # The row's cache as a buffer of its own (`KVCache.rows`): read in place, the next row's
+        # in-place write would have to wait for this row's reads, and XLA copied every cache array.
+        # A constant slot would let XLA inline `rows`' conditional, and it copied them too (every
+        # cache array of the all-slots step, before 2026-12-05): the barrier keeps it a traced value.
+        slot = lax.optimization_barrier(jnp.int32(b)) if rows is None else rows[b]
+        row_logits, row_cache = forward(params, cache.rows(slot), row[0][:, None], row[1], row[2].astype(jnp.int32),
+                                        config=config, precision=precision, kv_len=kv_len)
+        cache = cache.put_rows(row_cache, slot)
         logits.append(row_logits)
     return jnp.concatenate(logits, axis=0), cache
 

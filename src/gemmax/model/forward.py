@@ -247,6 +247,14 @@ def _attend_step(q: jax.Array, entry: LayerCache, batch: _Batch, window: int | N
     return jax.lax.switch(branch, [functools.partial(within, size) for size in distinct])
 
 
+def kv_bound_index(bounds: tuple[int, ...], start: jax.Array, num_new: jax.Array) -> jax.Array:
+    """[] i32: the index of the first of `bounds` (ascending) that holds every real row's cache after a
+    step writes num_new [B] tokens after start [B] cached ones; rows with num_new 0 (idle) do not
+    count, and with none real it is 0."""
+    needed = jnp.max(jnp.where(num_new > 0, start + num_new, 0))
+    return jnp.sum(needed > jnp.asarray(bounds[:-1], jnp.int32)).astype(jnp.int32)
+
+
 def _decoder_layer(layer, h, ple_l, spec, config, batch, cache_entry, shared, layer_index):
     eps = config.rms_norm_eps
     with jax.named_scope("attention"):
@@ -362,9 +370,11 @@ def forward(
     if isinstance(kv_len, tuple) or rows is not None:
         assert T == 1, "a tuple of KV bounds and cache rows are for one-token steps"
     kv_index = None
-    if isinstance(kv_len, tuple):  # the first bound that holds every real row's cache after the step
-        needed = jnp.max(jnp.where(num_new > 0, start + num_new, 0))
-        kv_index = jnp.sum(needed > jnp.asarray(kv_len[:-1], jnp.int32)).astype(jnp.int32)
+    if isinstance(kv_len, tuple):
+        slots = max(layer.slots for layer in cache.layers if layer is not None)
+        if list(kv_len) != sorted(set(kv_len)) or kv_len[-1] < slots:
+            raise ValueError(f"KV bounds {kv_len} must ascend and end at the cache's {slots} slots or more")
+        kv_index = kv_bound_index(kv_len, start, num_new)
     batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len,
                    kv_index=kv_index, rows=rows)
 

@@ -109,14 +109,14 @@ class LayerCache:
         return jax.tree.map(lambda a: a[:, :kv_len], self)
 
     def take(self, rows: jax.Array | None) -> LayerCache:
-        """Rows `rows` [g] of this entry (None: all of them, as they are)."""
+        """Rows `rows` [g] (distinct) of this entry (None: all of them, as they are)."""
         return self if rows is None else jax.tree.map(lambda a: a[rows], self)
 
     def write(self, k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array, ring: bool,
               rows: jax.Array | None = None) -> LayerCache:
         """Scatter new K/V [B, T, nkv, hd] at absolute `positions` [B, T]; only `real` [B, T] tokens
         are written, and on a ring only the last S real positions of the chunk (no two writes race).
-        `rows` [B]: the cache row each of the B rows writes (None: row b writes cache row b)."""
+        `rows` [B]: the distinct cache rows the B rows write (None: row b writes cache row b)."""
         slots = self.slots
         keep = real
         if ring:
