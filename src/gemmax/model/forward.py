@@ -18,7 +18,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
 from gemmax.model.config import LayerSpec, ModelConfig
@@ -91,11 +90,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # probs [B, nkv, g * T, S] times v over S, batched over (B, nkv): spelled as the einsum
-    # "bkgts,bskd->btkgd", XLA:CPU copied v transposed ([B, hd, S]) before every product; as this
-    # dot_general it reads v as it lies (a batch-8 step of the built-in model: measured in docs/cpu_decode.md).
-    out = lax.dot_general(probs.reshape(B, nkv, -1, probs.shape[-1]), v, (((3,), (1,)), ((0, 1), (0, 2))))
-    return out.reshape(B, nkv, nh // nkv, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, nh, hd)
 
 
 @jax.tree_util.register_dataclass
