@@ -86,7 +86,7 @@ def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(l
                          compile_cache_dir=str(tmp_path), prefix_cache_bytes=0).start(background=False)
     try:
         plan = engine.shapes
-        big_chunks = [bucket for bucket, _ in plan.prefill_shapes() if bucket > RUN_ONCE_TOKENS]
+        big_chunks = [bucket for bucket in plan.buckets if bucket > RUN_ONCE_TOKENS]
         big_groups = [(rows, bucket) for rows, bucket in plan.prefill_groups if rows * bucket > RUN_ONCE_TOKENS]
         assert big_chunks and big_groups == [(4, 256)]
         assert {(4, 128), (2, 256)} <= set(plan.prefill_groups)  # 512 tokens each: run

@@ -240,10 +240,10 @@ def _cache_shapes(cache) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("step", ["prefill_step", "prefill_rows", "verify_rows"])
 def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
-    """A one-slot prefill reads its slot's rows out of the donated cache and writes them back; read
-    plainly, the rows' slice fused into the attention's reads and XLA copied every layer's whole
-    cache twice to keep the old contents for them (gemmax.model.kv_cache.KVCache.rows). No prefill
-    or verify step copies or converts a whole cache array."""
+    """A one-slot prefill writes its chunk into the donated cache in place: a full layer before
+    reading its rows, a ring after reading its rows out through `opaque`, whose result the write's
+    row indices come from (passed through unchanged, XLA copied every ring twice: forward's
+    `_attention`). No prefill or verify step copies or converts a whole cache array."""
     from gemmax.engine import steps
 
     config, _, params = six_layers
@@ -258,8 +258,9 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
     else:
         args = (jax.ShapeDtypeStruct((8,), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.int32),
                 jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    kv_len = kv_buckets(1024) if step == "prefill_step" else 256
     hlo = getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
-                                     kv_len=256).compile().as_text()
+                                     kv_len=kv_len).compile().as_text()
     assert cache_rewrites(hlo, _cache_shapes(device.cache)) == []
 
 
@@ -292,8 +293,9 @@ def test_prefill_computes_the_head_only_on_the_last_chunk(six_layers, step):
     else:
         args = (jax.ShapeDtypeStruct((2, 64), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32), i32,
                 jax.ShapeDtypeStruct((2,), jnp.int32), flag)
+    kv_len = kv_buckets(1024) if step == "prefill_step" else 256
     prefill = HloIndex.read(getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
-                                                        kv_len=256).compile().as_text())
+                                                        kv_len=kv_len).compile().as_text())
     decode = HloIndex.read(steps.decode_step.lower(params, device, jax.ShapeDtypeStruct((8,), jnp.bool_),
                                                    config=config, precision=precision, kv_len=256).compile().as_text())
     for index, conditional in ((prefill, True), (decode, False)):

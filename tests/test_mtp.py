@@ -272,15 +272,25 @@ def _prompts(n, seed=0):
     return [tuple(int(t) for t in rng.integers(3, VOCAB_SIZE, length)) for length in rng.integers(5, 40, n)]
 
 
-NEAR_TIE = 1e-4  # logit gap under which two float32 paths may rank two tokens either way
+# The logit gap under which the engine's first proposal and the fresh run's argmax may differ. The
+# engine's hidden state and K/V come from other steps (decode, verify, rollbacks) than the fresh
+# prefill's, so they differ in float32 rounding (~3e-4 in the hidden state), and this random
+# assistant amplifies that chaotically as it feeds its own hidden state on: a 3e-4 change of the
+# hidden state moved the logits by up to 0.014 at the first drafting step and by 2.8 at the third
+# (2026-12-05). So only the first proposal, which reads exactly what the engine keeps (the hidden
+# state and the K/V), is checked, within 0.05; a wrong hidden state or K/V moves it by logits (5% of
+# another feature's value added to the kept hidden state: a gap of 0.25). The later drafting steps
+# are checked against transformers' candidate generator from one state above.
+FIRST_STEP_TIE = 0.05
 
 
 def _from_scratch_logits(target, assistant, context, proposals):
     """The assistant's logits [k, V] for a row whose context (prompt + output, ending with the next
     input) was prefilled afresh into an empty one-slot state, drafting step j fed the engine's
-    proposal j - 1: what the engine's greedy proposals must be the argmax of, whatever the batching,
-    rollbacks and plain-decoding pauses before (up to float32 near-ties: the engine's K/V were
-    written by decode and verify steps, these by one prefill)."""
+    proposal j - 1: what the engine's greedy proposals are the argmax of, whatever the batching,
+    rollbacks and plain-decoding pauses before, up to float32 rounding (the engine's K/V were
+    written by decode and verify steps, these by one prefill) and what the assistant makes of it
+    (`FIRST_STEP_TIE`)."""
     from gemmax.engine.mtp import shared_kv
     from gemmax.engine.steps import init_device_state, prefill_step
     from gemmax.model.forward import embed
@@ -307,12 +317,12 @@ def _from_scratch_logits(target, assistant, context, proposals):
 
 
 def _check_proposals(target, assistant, context, proposals) -> float:
-    """Asserts each proposal is the fresh argmax or within NEAR_TIE of it; returns the largest gap."""
-    logits = _from_scratch_logits(target, assistant, context, proposals)
-    gaps = [float(row.max() - row[p]) for row, p in zip(logits, proposals, strict=True)]
-    assert max(gaps) <= NEAR_TIE, (f"context of {len(context)} tokens: proposals {proposals}, fresh argmax "
-                                   f"{tuple(int(t) for t in logits.argmax(-1))}, logit gaps {gaps}")
-    return max(gaps)
+    """Asserts the first proposal is the fresh argmax or within FIRST_STEP_TIE of it; returns the gap."""
+    logits = _from_scratch_logits(target, assistant, context, proposals[:1])[0]
+    gap = float(logits.max() - logits[proposals[0]])
+    assert gap <= FIRST_STEP_TIE, (f"context of {len(context)} tokens: first proposal {proposals[0]}, fresh argmax "
+                                   f"{int(logits.argmax())}, logit gap {gap}")
+    return gap
 
 
 def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatch):
@@ -320,11 +330,11 @@ def test_greedy_mtp_equals_plain_in_a_mixed_batch(mtp_engine, target, monkeypatc
     all at once: each gets exactly its plain tokens. Then again with the assistant's proposals
     replaced, after it drafted, by each request's true continuation with one token wrong at a
     pseudo-random place (a random assistant is almost never right: this makes verify steps keep every
-    length from 0 to k). Every proposal the engine's assistant drafted, in both runs (after
+    length from 0 to k). Every draft the engine's assistant made, in both runs (after
     prefills, verify steps of any kept length, plain-decoding pauses, in groups of any row mix),
-    is the argmax of the assistant run afresh from the same context (within a float32 near-tie, as
-    the K/V were written by other steps): the hidden state and K/V the engine keeps for it are the
-    right ones."""
+    starts as the assistant run afresh from the same context (its first proposal, within the float32
+    rounding FIRST_STEP_TIE allows, as the K/V were written by other steps): the hidden state and K/V
+    the engine keeps for it are the right ones."""
     from gemmax.engine.api import GenerationRequest
     from gemmax.engine.mtp import MtpProposer
 

@@ -155,10 +155,10 @@ STATIC = ("config", "precision", "kv_len")
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
 def draft_prefill(params, cache: KVCache, tokens, slot, start, num_new, *, config, precision, kv_len=None) -> KVCache:
     """Prefill one chunk [1, bucket] (its first num_new real) after `start` cached tokens of the
-    draft's slot `slot`; nothing is sampled."""
-    _, row = forward(params, cache.rows(slot), tokens, start[None], num_new[None], config=config,
-                     precision=precision, kv_len=kv_len)
-    return cache.put_rows(row, slot)
+    draft's slot `slot`, written in place (`kv_len`: the tuple of KV buckets, as `prefill_step`);
+    nothing is sampled."""
+    return forward(params, cache, tokens, start[None], num_new[None], config=config, precision=precision,
+                   kv_len=kv_len, rows=slot[None])[1]
 
 
 def draw_proposal(logits: jax.Array, j, state: SamplingState) -> tuple[jax.Array, jax.Array]:
@@ -247,7 +247,7 @@ class Drafter:
     def run_prefill(self, chunk: np.ndarray, slot: int, start: int, real: int) -> None:
         self.cache = draft_prefill(self.params, self.cache, jnp.asarray(chunk), jnp.int32(slot), jnp.int32(start),
                                    jnp.int32(real), config=self.config, precision=self.precision,
-                                   kv_len=self.shapes.kv_bound(start))
+                                   kv_len=self.shapes.kv_buckets)
 
     def propose(self, rows, contexts: dict[int, np.ndarray], sampling: SamplingState, table: np.ndarray, k: int,
                 kv_len: int):

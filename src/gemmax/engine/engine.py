@@ -12,9 +12,6 @@ on disk as executables that the next start loads (gemmax.engine.executables):
                       position 0, in one forward (rows x bucket within the largest bucket; g a
                       decode group size >= 2; `ShapePlan.prefill_groups`): requests that arrive
                       together are prefilled together, reading the weights once, not g times
-    first_tokens[g]   after a prompt's last chunk, its first token from that chunk's logits: one
-                      sampler program per row count (1 and the batched groups), shared by every
-                      bucket and KV bound
     prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
                       the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
                       per block-count bucket, compiled at warm-up, not run there)
@@ -24,17 +21,23 @@ on disk as executables that the next start loads (gemmax.engine.executables):
                       grows with its batch. One program per group for every context length: each
                       layer reads the smallest KV-length bucket (256, 1024, 4096 ... max_model_len)
                       that holds the rows' context, a branch chosen on the device (`forward`)
-    decode_sample[k]  the step's sampling, one program per group size whatever the KV bound: every
-                      decode step is these two dispatches (the sampler was about half of each
-                      fused step's compile time; splitting cost nothing measurable per step)
+    draw[k]           the sampler, one program per row count (the decode groups and the batched
+                      prefills' row counts; every slot's reads its state where it lies, with no
+                      gather): a prompt's first token from its last chunk's logits,
+                      or a decode step's next tokens from decode_forward's. Every decode step is
+                      these two dispatches (the sampler was about half of each fused step's compile
+                      time; splitting cost nothing measurable per step), and one sampler serves
+                      every prefill bucket, KV bound and decode group
     verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
                       proposal length k in SPEC_KS: one step scores k proposed tokens per row
-    x kv_len          each prefill shape per KV-length bucket its chunk start can need (and each
-                      verify step per bucket): a step reads only the cache slots its context can use
-                      (full layers; rings not yet wrapped)
+    x kv_len          each verify step per KV-length bucket (a batched prefill reads the smallest):
+                      a step reads only the cache slots its context can use (full layers; rings not
+                      yet wrapped). A one-slot prefill chunk and a decode forward choose their
+                      bucket on the device instead, layer by layer (`forward`'s tuple of bounds):
+                      one program for every context length
 
 While a constrained request runs, the host fills each step's token masks while the forward runs
-(`_decode_constrained`): `decode_sample` with a mask (per group) and the masked prefill compile on
+(`_decode_constrained`): `draw` with a mask (per group, and for a prompt's first token) compiles on
 first use, not in warm-up (`_constrained_report`, docs/structured.md).
 
 `max_tokens` is never part of a shape: a per-slot `remaining` counter stops a row on device. The
@@ -108,8 +111,7 @@ from gemmax.engine.speculative import RequestSpeculation
 from gemmax.engine.steps import (
     DeviceState,
     decode_forward,
-    decode_sample,
-    first_tokens,
+    draw,
     init_device_state,
     prefill_rows,
     prefill_step,
@@ -135,7 +137,7 @@ BURST_WINDOW_SECONDS = 0.02
 LOOKAHEAD_STEPS = 2
 
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
-COMPILED_STEPS = ("prefill_step", "prefill_rows", "first_tokens", "decode_forward", "decode_sample", "verify_rows")
+COMPILED_STEPS = ("prefill_step", "prefill_rows", "draw", "decode_forward", "verify_rows")
 
 
 def _replayed(method):
@@ -252,9 +254,8 @@ class BatchEngine:
         self.params = loaded.checkpoint.params
         # The device steps: today's single-device ones, or the same steps compiled for a mesh
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
-        self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, first_tokens=first_tokens,
-                                           decode_forward=decode_forward,
-                                           decode_sample=decode_sample, verify_rows=verify_rows,
+        self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, draw=draw,
+                                           decode_forward=decode_forward, verify_rows=verify_rows,
                                            init_device_state=init_device_state)
         self.mesh = None
         if mesh is not None:
@@ -324,7 +325,7 @@ class BatchEngine:
         return {**info, "constrained_decode": self._constrained_report()}
 
     def _constrained_report(self) -> dict[str, Any]:
-        """Constrained decoding's own shapes (`decode_sample` with a mask, per group) are not warmed
+        """Constrained decoding's own shapes (`draw` with a mask, per group) are not warmed
         up: warm-up compiles only what every request can need (start-up time matters to everyone,
         constraints to some), so the first constrained request of each group size compiles it
         (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
@@ -489,7 +490,7 @@ class BatchEngine:
         self._init_device_state()
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
             self.prefix_cache.clear()
-        prefills, decodes = len(self.shapes.prefill_shapes()), len(self.shapes.verify_shapes)
+        prefills, decodes = len(self.shapes.buckets), len(self.shapes.verify_shapes)
         shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
         shapes += 0 if self.mtp is None else 2 * decodes * len(self.spec_ks)
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
@@ -502,24 +503,24 @@ class BatchEngine:
         self._ready.set()
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
-        """(step, args, statics) of every declared shape, built as the device calls build them: every
-        (bucket, KV bound) pair a prompt's chunks can need, the decode forward and the decode
-        sampling of every decode group, and the verify steps of speculative decoding (per group,
-        KV bound and k)."""
-        calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, start, 1, True))
-                 for (bucket, _), start in self.shapes.prefill_shapes().items()]
+        """(step, args, statics) of every declared shape, built as the device calls build them: the
+        one-slot prefill of every bucket and the batched ones, the sampler of every row count, the
+        decode forward of every decode group, and the verify steps of speculative decoding (per
+        group, KV bound and k)."""
+        calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, 0, 1, True))
+                 for bucket in self.shapes.buckets]
         calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows), 0,
                                                             np.zeros(rows, np.int32), True))
                   for rows, bucket in self.shapes.prefill_groups]
-        for rows in sorted({1, *(rows for rows, _ in self.shapes.prefill_groups)}):
-            calls.append(("first_tokens", *self._first_tokens_args(self._logits_like(rows), np.arange(rows),
-                                                                   np.zeros(rows, np.bool_), np.ones(rows, np.bool_))))
-        want = jnp.asarray(self.want_logprobs)
-        groups = {size: self._group_rows(None if size == self.max_batch else np.arange(size, dtype=np.int32))
-                  for size in self.shapes.decode_groups}
-        calls += [("decode_sample", (self.device, self._logits_like(size), want, None, rows), {})
-                  for size, rows in groups.items()]
-        calls += [("decode_forward", *self._forward_args(rows)) for rows in groups.values()]
+        # the draw of every row count a group or a batched prefill has, and of every slot (`rows` None)
+        counts = {1, *self.shapes.decode_groups[:-1], *(rows for rows, _ in self.shapes.prefill_groups)}
+        for rows in [*sorted(counts), None]:
+            size = self.max_batch if rows is None else rows
+            calls.append(("draw", *self._draw_args(self._logits_like(size), None if rows is None else np.arange(rows),
+                                                   np.zeros(size, np.bool_), np.ones(size, np.bool_), advance=False)))
+        calls += [("decode_forward", *self._forward_args(self._group_rows(None if size == self.max_batch else
+                                                                          np.arange(size, dtype=np.int32))))
+                  for size in self.shapes.decode_groups]
         if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
             calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
                                                          np.zeros(size, np.int32), kv_len))
@@ -528,12 +529,12 @@ class BatchEngine:
 
     def _warm_up_drafter(self) -> None:
         """The drafter's shapes, run once each (its steps are jitted, not ahead of time): a draft
-        model's prefill per (bucket, KV bound) with a 1-token dummy chunk, then per decode group, k
+        model's prefill per bucket with a 1-token dummy chunk, then per decode group, k
         and KV bound the proposal step (`_drafted`) and the target's verify step with q (all rows
         idle: nothing is kept)."""
         if self.drafter is not None:
-            for (bucket, _), start in self.shapes.prefill_shapes().items():
-                self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, start, 1)
+            for bucket in self.shapes.buckets:
+                self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, 0, 1)
         for size, kv_len in self.shapes.verify_shapes:
             for k in self.spec_ks:
                 rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
@@ -615,11 +616,9 @@ class BatchEngine:
 
     def _prefill_args(self, tokens: np.ndarray, slot: int, start: int, num_new: int,
                       last_chunk: bool) -> tuple[tuple, dict[str, Any]]:
-        kv_len = self.shapes.kv_bound(start)
-        assert kv_len >= start  # prefill_step copies only the slots below kv_len + bucket
         return ((self.params, self.device, jnp.asarray(tokens), jnp.int32(slot), jnp.int32(start), jnp.int32(num_new),
                  jnp.bool_(last_chunk)),
-                {"config": self.config, "precision": self.precision, "kv_len": kv_len})
+                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_buckets})
 
     @_replayed
     def _run_prefill(self, tokens: np.ndarray, slot: int, start: int, num_new: int, last_chunk: bool,
@@ -633,8 +632,7 @@ class BatchEngine:
         compiled = self.steps.prefill_step.size() != before
         if not last_chunk:
             return None, compiled
-        out, new = self._first_tokens(logits, np.asarray([slot]), np.asarray([want_logprobs]), np.ones(1, np.bool_),
-                                      mask)
+        out, new = self._first_tokens(logits, np.asarray([slot]), np.asarray([want_logprobs]), mask)
         return out, compiled or new
 
     def _prefill_rows_args(self, tokens: np.ndarray, rows: np.ndarray, start: int, num_new: np.ndarray,
@@ -655,22 +653,29 @@ class BatchEngine:
         compiled = self.steps.prefill_rows.size() != before
         if not last_chunk:
             return None, compiled
-        out, new = self._first_tokens(logits, rows, want_logprobs, num_new > 0)
+        out, new = self._first_tokens(logits, rows, want_logprobs, None, num_new > 0)
         return out, compiled or new
 
-    def _first_tokens_args(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray, take: np.ndarray,
-                           mask: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
-        return ((self.device, logits, jnp.asarray(want_logprobs), jnp.asarray(rows, jnp.int32), jnp.asarray(take),
-                 None if mask is None else jnp.asarray(mask)), {})
+    def _draw_args(self, logits: jax.Array, rows: np.ndarray | jax.Array | None, want_logprobs: np.ndarray,
+                   take: np.ndarray | jax.Array, advance: bool, mask=None) -> tuple[tuple, dict[str, Any]]:
+        return ((self.device, logits, jnp.asarray(want_logprobs), None if rows is None else jnp.asarray(rows, jnp.int32),
+                 jnp.asarray(take), jnp.bool_(advance), None if mask is None else jnp.asarray(mask)), {})
 
-    def _first_tokens(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray, take: np.ndarray,
-                      mask: np.ndarray | None = None):
+    def _first_tokens(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray,
+                      mask: np.ndarray | None = None, take: np.ndarray | None = None):
         """Draw the first token of the prompts prefilled into `rows` from their last chunk's logits
-        (steps.first_tokens; the rows with `take` false are padding); (outputs per row, compiled now)."""
-        before = self.steps.first_tokens.size()
-        args, statics = self._first_tokens_args(logits, rows, want_logprobs, take, mask)
-        self.device, out = self.steps.first_tokens(*args, **statics)
-        return out, self.steps.first_tokens.size() != before
+        (steps.draw; rows with `take` false are padding, None: none is); (outputs per row, compiled
+        now)."""
+        before = self.steps.draw.size()
+        take = np.ones(len(rows), np.bool_) if take is None else take
+        self.device, out = self.steps.draw(*self._draw_args(logits, rows, want_logprobs, take, False, mask)[0])
+        return out[:4], self.steps.draw.size() != before
+
+    def _sample(self, logits: jax.Array, rows: jax.Array | None, want: jax.Array, take: jax.Array, mask=None):
+        """Enqueue the draw of a decode step of the group `rows` (None: every slot) from its forward's
+        `logits` (`_drawn_rows` gives rows, want and take); its outputs per row (still being computed)."""
+        self.device, out = self.steps.draw(*self._draw_args(logits, rows, want, take, True, mask)[0])
+        return out
 
     def _logits_like(self, rows: int) -> jax.Array:
         """Zero logits [rows, V] f32 placed as a forward returns them (replicated on a mesh): the
@@ -704,13 +709,17 @@ class BatchEngine:
         returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
         computed. Each step is two dispatches: the forward (logits), then the sampling."""
         outputs = []
-        want = jnp.asarray(want_logprobs)
-        group = self._group_rows(rows)
+        group, drawn = self._group_rows(rows), self._drawn_rows(rows, want_logprobs)
         for _ in range(steps):
-            logits = self._forward(group)
-            self.device, out = self.steps.decode_sample(self.device, logits, want, None, group)
-            outputs.append(out)
+            outputs.append(self._sample(self._forward(group), *drawn))
         return outputs
+
+    def _drawn_rows(self, rows: np.ndarray | None, want_logprobs: np.ndarray) -> tuple[jax.Array | None, ...]:
+        """`draw`'s rows, log-prob flags and rows taking part, for a decode step of every slot (`rows`
+        None) or of the group `rows`: made once per dispatch."""
+        if rows is None:
+            return None, jnp.asarray(want_logprobs), jnp.ones(self.max_batch, jnp.bool_)
+        return jnp.asarray(rows, jnp.int32), jnp.asarray(want_logprobs[rows]), jnp.ones(len(rows), jnp.bool_)
 
     def _forward(self, rows: jax.Array | None) -> jax.Array:
         """Enqueue the forward half of a decode step; returns its logits."""
@@ -731,8 +740,7 @@ class BatchEngine:
         (as the free path does with the steps already enqueued after a stop). As in `_decode_free`,
         no further forward is enqueued once a queued request could take a free slot: an arrival's
         prefill waits for the step being sampled, not the rest of the dispatch."""
-        want = jnp.asarray(self.want_logprobs)
-        group = self._group_rows(rows)
+        group, drawn = self._group_rows(rows), self._drawn_rows(rows, self.want_logprobs)
         size = len(slot_of)
         if size not in self._constrained_sizes:  # this dispatch compiles: its rows' timings say so
             self._constrained_sizes.add(size)
@@ -744,7 +752,7 @@ class BatchEngine:
             if n and all(self._slots[i] is None for i in slot_of):
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
-            self.device, out = self.steps.decode_sample(self.device, logits, want, masks, group)
+            out = self._sample(logits, *drawn, masks)
             last = n + 1 == steps or self._admission_waiting()
             if not last:
                 logits = self._forward(group)

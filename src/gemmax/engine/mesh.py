@@ -110,10 +110,9 @@ class MeshSteps:
 
     mesh: Mesh
     prefill_step: Any
-    first_tokens: Any
+    draw: Any
     decode_step: Any
     decode_forward: Any
-    decode_sample: Any
     init_device_state: Any
 
 
@@ -147,10 +146,8 @@ def mesh_steps(mesh: Mesh, config: ModelConfig, slots: int, max_len: int, precis
 
     init = jax.jit(steps.init_device_state, static_argnums=(0, 1, 2, 3), out_shardings=state)
     return MeshSteps(mesh=mesh, prefill_step=jit(steps.prefill_step, steps.PREFILL_STATIC),
-                     first_tokens=jit(steps.first_tokens, ()),
-                     decode_step=jit(steps.decode_step, steps.DECODE_STATIC),
-                     decode_forward=jit(steps.decode_forward, steps.DECODE_STATIC),
-                     decode_sample=jit(steps.decode_sample, ()), init_device_state=init)
+                     draw=jit(steps.draw, ()), decode_step=jit(steps.decode_step, steps.DECODE_STATIC),
+                     decode_forward=jit(steps.decode_forward, steps.DECODE_STATIC), init_device_state=init)
 
 
 def mesh_summary(spec: MeshSpec, config: ModelConfig, mesh: Mesh) -> str:

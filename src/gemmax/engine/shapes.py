@@ -1,12 +1,11 @@
 """Shape planning, pure functions of the deployment's sizes: the prefill buckets, how a prompt is
-split into chunks of them, the KV-length buckets, and the set of (bucket, KV bound) prefill shapes
-a warm-up must compile. Nothing here touches a device."""
+split into chunks of them, the KV-length buckets, and the batched prefill and verify shapes a
+warm-up must compile. Nothing here touches a device."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 
 def prefill_buckets(max_model_len: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
@@ -46,21 +45,6 @@ def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(chunks for _, chunks in best)
 
 
-def prefill_shapes(buckets: tuple[int, ...], max_model_len: int, kv_bound) -> dict[tuple[int, int], int]:
-    """{(bucket, KV-length bound): a chunk start that needs it} over every prompt shorter than
-    max_model_len, as `plan_chunks` splits it; `kv_bound(start)` is the bound a chunk at `start` reads."""
-    largest = buckets[-1]
-    tails = {(start, bucket) for plan in _tail_plans(buckets)  # (chunk start, bucket) within a tail
-             for start, (_, bucket) in zip(itertools.accumulate([real for real, _ in plan], initial=0), plan,
-                                           strict=False)}
-    shapes: dict[tuple[int, int], int] = {}
-    for base in range(0, max_model_len - 1, largest):  # full chunks of the largest bucket before a tail
-        for start, bucket in sorted(tails):
-            if base + start < max_model_len - 1:
-                shapes.setdefault((bucket, kv_bound(base + start)), base + start)
-    return shapes
-
-
 def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], group_kv: int) -> tuple[tuple[int, int], ...]:
     """(rows, bucket) of the batched prefill shapes: one chunk of several prompts in one forward
     (steps.prefill_rows), for every decode group size of 2 rows or more whose rows x bucket tokens
@@ -73,8 +57,8 @@ def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], gro
 
 
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
-    """Static bounds on the cache slots a decode step reads: 256, 1024, 4096 ... (x4),
-    capped by and ending at max_model_len. Attention then costs what the context uses."""
+    """Static bounds on the cache slots a step reads: 256, 1024, 4096 ... (x4), capped by and ending
+    at max_model_len. Attention then costs what the context uses."""
     buckets, size = [], 256
     while size < max_model_len:
         buckets.append(size)
@@ -139,12 +123,9 @@ class ShapePlan:
                                           for bucket in buckets)))
         return next((rows for rows in sizes if rows >= prompts), sizes[-1])
 
-    def prefill_shapes(self) -> dict[tuple[int, int], int]:
-        """{(bucket, KV bound): a chunk start that needs it} (see `prefill_shapes`)."""
-        return prefill_shapes(self.buckets, self.max_model_len, self.kv_bound)
-
     @property
     def verify_shapes(self) -> list[tuple[int, int]]:
         """(group size, KV bound) of every compiled speculative verify step (and drafter step); a
-        decode step is one program per group, whatever the bound (`forward`'s tuple of bounds)."""
+        decode step is one program per group and a one-slot prefill chunk one per bucket, whatever
+        the bound (`forward`'s tuple of bounds)."""
         return [(size, kv_len) for size in self.decode_groups for kv_len in self.kv_buckets]

@@ -1,15 +1,16 @@
-"""The jitted device steps of the batching engine: prefill of one chunk into one slot, prefill of
-several whole short prompts into several slots in one forward (`prefill_rows`), both returning the
-last chunk's logits, from which `first_tokens` draws each prompt's first token (one sampler program
-per row count, not a copy in every bucket and KV bound's program), a decode step of
-every slot or of a group of slots as two dispatches (`decode_forward`: cache write and logits, per
-group, reading the KV bucket its rows need, chosen on the device from the tuple of buckets it is
-given; `decode_sample`: the draw, per group), and the speculative verify step of a group of slots,
-over one `DeviceState` pytree that each donates and returns. Each takes `config`, `precision` and
-`kv_len` (the cache slots it reads, or for a decode forward the tuple of bounds it chooses from) as
-static arguments, so the engine's compiled shapes are exactly the (bucket | group) x kv_len pairs
-it warms up: one decode forward per group. `decode_step` is the two halves of a full-batch step in one program: what the
-profiler traces and the decode benchmarks time (one module per step).
+"""The jitted device steps of the batching engine: prefill of one chunk into one slot (`prefill_step`),
+prefill of several whole short prompts into several slots in one forward (`prefill_rows`), both
+returning the last chunk's logits, a decode step's forward of every slot or of a group of slots
+(`decode_forward`: cache write and logits), the sampler that draws from either (`draw`: a prompt's
+first token or a decode step's next, one program per row count, not a copy in every bucket, KV
+bound and group's program), and the speculative verify step of a group of slots, over one
+`DeviceState` pytree that each donates and returns. Each takes `config`, `precision` and `kv_len`
+as static arguments: the cache slots it reads, or for `prefill_step` and `decode_forward` the tuple
+of KV buckets among which each layer reads the one its rows need, chosen on the device. So the
+engine's compiled shapes are exactly what it warms up: one prefill program per bucket, one decode
+forward per group, and the batched prefill and verify steps per shape and KV bound. `decode_step`
+is the two halves of a full-batch step in one program: what the profiler traces and the decode
+benchmarks time (one module per step).
 
 Batch invariance (`row_invariant`, static): a batched decode step multiplies every weight by all its
 rows at once (a GEMM), which sums in another order than the one-row matrix-vector form, so a greedy
@@ -108,19 +109,20 @@ def prefill_step(params, device: DeviceState, tokens, slot, start, num_new, last
                  kv_len=None):
     """Prefill one chunk [1, bucket] of slot `slot`. Returns (device, logits [1, V] f32 at the last
     real position): computed on the prompt's last chunk only (`last_chunk`, traced: no extra shape;
-    earlier chunks skip the LM head), where `first_tokens` draws the row's first token from them.
-    `kv_len` bounds the past it reads and must be at least `start`. The slot's token, position and
-    budget are the scheduler's to set."""
-    # The slots it touches: the past it reads lies below kv_len (>= start), the chunk's own positions
-    # below start + bucket.
-    row_cache = device.cache.rows(slot, bound=None if kv_len is None else kv_len + tokens.shape[1])
-    logits, row_cache, *h = forward(params, row_cache, tokens, start[None], num_new[None], config=config,
-                                    precision=precision, kv_len=kv_len, hidden=device.hidden is not None,
-                                    head_on=last_chunk)
+    earlier chunks skip the LM head), where `draw` takes the row's first token from them. `kv_len`:
+    the tuple of KV buckets, among which each layer's attention reads the smallest that its context
+    needs, chosen on the device (`forward`): one program per bucket for every chunk start (None:
+    every slot). The chunk is written into the slot's row of the cache in place. The slot's token,
+    position and budget are the scheduler's to set."""
+    if isinstance(kv_len, int):
+        raise ValueError(f"prefill_step takes the tuple of KV buckets or None, not the bound {kv_len}")
+    logits, cache, *h = forward(params, device.cache, tokens, start[None], num_new[None], config=config,
+                                precision=precision, kv_len=kv_len, hidden=device.hidden is not None,
+                                head_on=last_chunk, rows=slot[None])
     hidden = device.hidden
     if hidden is not None:  # the first token's hidden state, on the prompt's last chunk
         hidden = _put_rows(hidden, _keep_hidden(_rows(hidden, slot), h[0], last_chunk[None]), slot)
-    return dataclasses.replace(device, cache=device.cache.put_rows(row_cache, slot), hidden=hidden), logits
+    return dataclasses.replace(device, cache=cache, hidden=hidden), logits
 
 
 @functools.partial(jax.jit, static_argnames=PREFILL_STATIC, donate_argnames=("device",))
@@ -132,7 +134,7 @@ def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last
     prefills read them P times. Rows with num_new 0 are padding (any other slots, running or not):
     they write nothing. Only the first `kv_len` cache slots of each row move, so every row's
     start + bucket must be within kv_len. Returns (device, logits [P, V] f32), computed on the
-    prompts' last chunk (`last_chunk`) for `first_tokens`."""
+    prompts' last chunk (`last_chunk`) for `draw`."""
     sub = _gather(device, rows, kv_len)
     starts = jnp.full(num_new.shape, start, jnp.int32)
     logits, cache, *h = forward(params, sub.cache, tokens, starts, num_new, config=config, precision=precision,
@@ -142,15 +144,23 @@ def prefill_rows(params, device: DeviceState, tokens, rows, start, num_new, last
 
 
 @functools.partial(jax.jit, donate_argnames=("device",))
-def first_tokens(device: DeviceState, logits, want_logprobs, rows, take, mask=None):
-    """The first token of the prompts just prefilled into the slots `rows` [P], from their last
-    chunk's logits [P, V] (`prefill_step`, `prefill_rows`): one sampler program per P, whatever the
-    bucket and KV bound. Rows with `take` [P] false (a batched prefill's padding rows) keep their
-    sampling state. `mask` [P, ceil(V / 32)] i32: the allowed first tokens of constrained requests
-    (None: free). Returns (device, (ids, logprobs, top ids, top logprobs)) per row of `rows`."""
-    sub = _gather(device, rows, cache=False)
-    ids, lp, top_ids, top_lp, sampling = sample(logits, sub.sampling, want_logprobs, take, mask)
-    return _scatter(device, dataclasses.replace(sub, sampling=sampling), rows, cache=False), (ids, lp, top_ids, top_lp)
+def draw(device: DeviceState, logits, want_logprobs, rows, take, advance, mask=None):
+    """The sampler of every step, one program per row count: the next token of each row of `rows`
+    [k] (None: every slot, whose state is then read and written where it lies: a gather of the
+    sampling state would copy its [B, V] counts and masks on every decode step) from its logits
+    [k, V] (`prefill_step` / `prefill_rows` on a prompt's last chunk, `decode_forward`), for the
+    rows with `take` [k]; the other rows keep their state. `advance`
+    (traced [] bool): a decode step's draw, where only rows with budget left (remaining > 0) draw
+    and move on (token, position, remaining); else a prompt's first token, where only the sampling
+    state moves (the scheduler sets the slot's token, position and budget). One program serves
+    both, and every bucket, KV bound and group of the forwards: the sampler compiles as slowly as a
+    forward. `want_logprobs` [k]; `mask` [k, ceil(V / 32)] i32: allowed tokens per row (constrained
+    decoding; None: no mask work compiled in). Returns (device, (ids, logprobs, top ids, top
+    logprobs, drew)) per row of `rows`; a row that did not draw reports its current token."""
+    if rows is None:  # every slot: the sampling state's [B, V] counts and masks stay where they are
+        return _draw(device, logits, want_logprobs, take, advance, mask)
+    sub, out = _draw(_gather(device, rows, cache=False), logits, want_logprobs, take, advance, mask)
+    return _scatter(device, sub, rows, cache=False), out
 
 
 def _forward_rows(params, cache: KVCache, tokens, positions, active, config, precision, kv_len, row_invariant,
@@ -181,28 +191,26 @@ def _forward_rows(params, cache: KVCache, tokens, positions, active, config, pre
     return jnp.concatenate(logits, axis=0), cache
 
 
-def _advance(device: DeviceState, logits, want_logprobs, mask=None, hidden=None):
-    """The sampling half of a decode step: logits [B, V] (of the forward half) -> the next token of
-    every active row (remaining > 0); idle rows keep their token, position and sampling state. `mask`
-    [B, ceil(V / 32)] i32: allowed tokens per row (constrained decoding; None: no mask work compiled
-    in). The cache is passed through untouched; `hidden` [B, H]: the forward's hidden states, kept
-    for the active rows when the state keeps them."""
-    active = device.remaining > 0
-    ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, active, mask)
-    ids = jnp.where(active, ids, device.tokens)
-    step = active.astype(jnp.int32)
-    device = dataclasses.replace(device, sampling=sampling, tokens=ids, positions=device.positions + step,
-                                 remaining=device.remaining - step,
-                                 hidden=device.hidden if hidden is None else _keep_hidden(device.hidden, hidden, active))
-    return device, (ids, lp, top_ids, top_lp, active)
+def _draw(device: DeviceState, logits, want_logprobs, take, advance, mask=None):
+    """`draw` on the rows of `device` itself (every row of its state is a row of the logits)."""
+    advance = jnp.asarray(advance, jnp.bool_)
+    drew = take & ((device.remaining > 0) | jnp.logical_not(advance))
+    ids, lp, top_ids, top_lp, sampling = sample(logits, device.sampling, want_logprobs, drew, mask)
+    ids = jnp.where(drew, ids, device.tokens)
+    step = (drew & advance).astype(jnp.int32)
+    device = dataclasses.replace(device, sampling=sampling, tokens=jnp.where(step > 0, ids, device.tokens),
+                                 positions=device.positions + step, remaining=device.remaining - step)
+    return device, (ids, lp, top_ids, top_lp, drew)
 
 
 def _decode(params, device: DeviceState, want_logprobs, config, precision, kv_len, row_invariant=False):
-    """One decode step for every row of `device`: forward, then `_advance`. Rows with remaining == 0
+    """One decode step for every row of `device`: forward, then `_draw`. Rows with remaining == 0
     are idle: they write nothing and keep their token, position and sampling state."""
-    logits, cache, *h = _forward_rows(params, device.cache, device.tokens, device.positions, device.remaining > 0,
+    active = device.remaining > 0
+    logits, cache, *h = _forward_rows(params, device.cache, device.tokens, device.positions, active,
                                       config, precision, kv_len, row_invariant, device.hidden is not None)
-    return _advance(dataclasses.replace(device, cache=cache), logits, want_logprobs, hidden=h[0] if h else None)
+    hidden = device.hidden if not h else _keep_hidden(device.hidden, h[0], active)
+    return _draw(dataclasses.replace(device, cache=cache, hidden=hidden), logits, want_logprobs, active, True)
 
 
 _ROW_FIELDS = ("sampling", "tokens", "positions", "remaining", "hidden")  # per-slot state besides the cache
@@ -225,16 +233,15 @@ def _scatter(device: DeviceState, sub: DeviceState, rows, kv_len=None, cache: bo
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_step(params, device: DeviceState, want_logprobs, *, config, precision, kv_len=None,
                 row_invariant=False):
-    """One decode step for every slot in one program (`decode_forward` then `decode_sample`, as the
-    profiler traces it); `kv_len` >= every position. Returns (device, (ids, logprobs, top ids, top
+    """One decode step for every slot in one program (`decode_forward` then `draw`, as the profiler
+    traces it); `kv_len` >= every position. Returns (device, (ids, logprobs, top ids, top
     logprobs, active)), each per slot."""
     return _decode(params, device, want_logprobs, config, precision, kv_len, row_invariant)
 
 
-# The engine's decode step is two dispatches: `decode_forward` (cache update, logits), then
-# `decode_sample` (next tokens; with a mask for constrained decoding, whose host fills step n's
-# token masks while the device runs step n's forward: the engine's `_decode_constrained`). The
-# sampler is one program per group size instead of a copy in every forward program.
+# The engine's decode step is two dispatches: `decode_forward` (cache update, logits), then `draw`
+# (next tokens; with a mask for constrained decoding, whose host fills step n's token masks while
+# the device runs step n's forward: the engine's `_decode_constrained`).
 
 @functools.partial(jax.jit, static_argnames=DECODE_STATIC, donate_argnames=("device",))
 def decode_forward(params, device: DeviceState, rows=None, *, config, precision, kv_len=None, row_invariant=False):
@@ -249,21 +256,11 @@ def decode_forward(params, device: DeviceState, rows=None, *, config, precision,
     sub = device if rows is None else _gather(device, rows, cache=False)
     logits, cache, *h = _forward_rows(params, device.cache, sub.tokens, sub.positions, sub.remaining > 0, config,
                                       precision, kv_len, row_invariant, sub.hidden is not None, rows)
-    hidden = _keep_hidden(sub.hidden, h[0] if h else None, sub.remaining > 0)  # the token decode_sample draws
+    hidden = _keep_hidden(sub.hidden, h[0] if h else None, sub.remaining > 0)  # the token `draw` takes
     if rows is None:
         return dataclasses.replace(device, cache=cache, hidden=hidden), logits
     return dataclasses.replace(device, cache=cache,
                                hidden=None if hidden is None else device.hidden.at[rows].set(hidden)), logits
-
-
-@functools.partial(jax.jit, donate_argnames=("device",))
-def decode_sample(device: DeviceState, logits, want_logprobs, mask, rows=None):
-    """The sampling half (`_advance`) of the step whose logits `decode_forward` returned, under
-    `mask` [B or k, ceil(V / 32)] i32; outputs as decode_step's (per slot, or per row of `rows`)."""
-    if rows is None:
-        return _advance(device, logits, want_logprobs, mask)
-    sub, out = _advance(_gather(device, rows, cache=False), logits, want_logprobs[rows], mask)
-    return _scatter(device, sub, rows, cache=False), out
 
 
 def _later_steps(state: SamplingState, k: int) -> SamplingState:

@@ -155,10 +155,12 @@ class _Batch:
     new_valid: jax.Array  # [B, T] real (not padding) new tokens
     q_pos: jax.Array  # [B, Tq] positions of the queries still being computed
     # static: attention reads only cache slots [0, kv_len) where kv_len < slots; a tuple of bounds
-    # (one-token steps): the smallest that holds every row, chosen at run time (`kv_index`)
+    # (one-token steps, chunks written into their rows): per layer the smallest that holds every
+    # row, chosen at run time (`kv_index`, `past_index`)
     kv_len: int | tuple[int, ...] | None = None
     kv_index: jax.Array | None = None  # [] i32: which of a tuple kv_len's bounds this step reads
-    rows: jax.Array | None = None  # [B]: the cache row of each row (one-token steps; None: row b)
+    past_index: jax.Array | None = None  # [] i32: and which a chunk's read of its past
+    rows: jax.Array | None = None  # [B]: the cache row of each row (None: row b)
     tables: dict = dataclasses.field(default_factory=dict)  # rope_tables per (positions, frequencies)
 
     def rope(self, positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -199,24 +201,44 @@ def _attention(
         k = rotate(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), *batch.rope(batch.new_pos, inv_freq))
         if config.use_v_norm:
             v = rms_norm(v, None, config.rms_norm_eps)
+        own = Keys(k, v, batch.new_pos, batch.new_valid)
+        ring = bool(spec.sliding_window)
         if Tq == 1:
             # Decode: write the new position first, then attend over the cache. Attending over the
             # old cache while updating it in place makes XLA keep a copy of the whole cache (two
             # copies per array per step on CPU). On a sliding ring the write overwrites position
             # p - window, which query p no longer sees.
-            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window),
-                                          rows=batch.rows)
-            shared[layer_index] = new_entry
+            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=ring, rows=batch.rows)
+            keys = new_entry
+        elif batch.rows is not None:
+            # A chunk written into its cache rows in place attends, as the plain chunk below does, to
+            # its rows' past (the slots below its start) and to its own keys as computed. A full
+            # layer writes first (slots start and above) and reads the past from the written cache.
+            # A ring can overwrite slots its own earlier queries still see: its rows are read out
+            # first, as a buffer of their own, and the write takes its row indices from that read,
+            # so XLA orders the read before the in-place write. (Passed through unchanged, the
+            # indices would be forwarded around the conditional, and XLA copied every ring twice;
+            # clamped into range inside it, they are its result.)
+            if ring:
+                past, rows = opaque(jnp.all(batch.rows >= 0),
+                                    lambda e, r: (e.take(r), jnp.clip(r, 0, e.k.shape[0] - 1)), cache_entry, batch.rows)
+                new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=True, rows=rows)
+                keys = (_RowsPast(past, None), own)
+            else:
+                new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=False, rows=batch.rows)
+                keys = (_RowsPast(new_entry, batch.rows), own)
         else:  # a chunk can overwrite ring slots its own earlier queries still see: read, then write
             visible = cache_entry.visible(batch.kv_len)
-            past = Keys(visible.read("k", k.dtype), visible.read("v", v.dtype),
-                        *slot_positions(batch.start, visible.slots))
-            own = Keys(k, v, batch.new_pos, batch.new_valid)
-            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=bool(spec.sliding_window))
-            shared[layer_index] = (past, own)
-    keys = shared[layer_index if spec.owns_kv else spec.kv_donor]
+            keys = (Keys(visible.read("k", k.dtype), visible.read("v", v.dtype),
+                         *slot_positions(batch.start, visible.slots)), own)
+            new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=ring)
+        shared[layer_index] = keys
+    else:
+        keys = shared[spec.kv_donor]
     if isinstance(keys, LayerCache):  # a one-token step: the cache after its write
         out = _attend_step(q, keys, batch, spec.sliding_window, config.attention_scale)
+    elif isinstance(keys[0], _RowsPast):  # a chunk written into its cache rows
+        out = _attend_past(q, *keys, batch, spec.sliding_window, config.attention_scale)
     else:
         out = attend_chunk(q, batch.q_pos, *keys, spec.sliding_window, config.attention_scale)
     return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
@@ -227,9 +249,6 @@ def _attend_step(q: jax.Array, entry: LayerCache, batch: _Batch, window: int | N
     each row's cache row (`batch.rows`) up to the step's KV bound. With a tuple of bounds, one branch
     per distinct bound (a ring's slots cap it) under `lax.switch` on `batch.kv_index`: one program
     reads what the context needs, where a static bound needs a program per bound."""
-    bounds = batch.kv_len if isinstance(batch.kv_len, tuple) else (batch.kv_len,)
-    sizes = [entry.slots if bound is None else min(bound, entry.slots) for bound in bounds]
-    distinct = sorted(set(sizes))
     cached = batch.start + jnp.sum(batch.new_valid, axis=1)
 
     def within(size: int) -> jax.Array:
@@ -237,17 +256,50 @@ def _attend_step(q: jax.Array, entry: LayerCache, batch: _Batch, window: int | N
         keys = Keys(visible.read("k", q.dtype), visible.read("v", q.dtype), *slot_positions(cached, size))
         return attend_chunk(q, batch.q_pos, None, keys, window, scale)
 
+    return _switch(batch.kv_len, batch.kv_index, entry.slots, within)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowsPast:
+    """Where a chunk written into its cache rows reads its past (not a pytree: lives only while
+    tracing): rows `rows` of `entry` (None: `entry` holds just those rows), the slots below the
+    chunk's start."""
+
+    entry: LayerCache
+    rows: jax.Array | None
+
+
+def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window: int | None,
+                 scale: float) -> jax.Array:
+    """A chunk's queries over its rows' past and its own keys, `attend_chunk` as the plain chunk
+    does, the past read up to the KV bound that holds every row's start, chosen on the device
+    (`batch.past_index`) as `_attend_step` chooses its own."""
+
+    def within(size: int) -> jax.Array:
+        visible = past.entry.visible(size).take(past.rows)
+        keys = Keys(visible.read("k", q.dtype), visible.read("v", q.dtype), *slot_positions(batch.start, size))
+        return attend_chunk(q, batch.q_pos, keys, own, window, scale)
+
+    return _switch(batch.kv_len, batch.past_index, past.entry.slots, within)
+
+
+def _switch(kv_len: int | tuple[int, ...] | None, index: jax.Array | None, slots: int, within) -> jax.Array:
+    """within(size) for the bound `index` picks among kv_len's (a bound, or a tuple: one branch per
+    distinct size, a cache's `slots` capping each) under `lax.switch`; one bound needs no switch."""
+    bounds = kv_len if isinstance(kv_len, tuple) else (kv_len,)
+    sizes = [slots if bound is None else min(bound, slots) for bound in bounds]
+    distinct = sorted(set(sizes))
     if len(distinct) == 1:
         return within(distinct[0])
-    branch = jnp.asarray([distinct.index(size) for size in sizes], jnp.int32)[batch.kv_index]
+    branch = jnp.asarray([distinct.index(size) for size in sizes], jnp.int32)[index]
     return jax.lax.switch(branch, [functools.partial(within, size) for size in distinct])
 
 
-def kv_bound_index(bounds: tuple[int, ...], start: jax.Array, num_new: jax.Array) -> jax.Array:
+def kv_bound_index(bounds: tuple[int, ...], start: jax.Array, num_new: jax.Array, past_only: bool = False) -> jax.Array:
     """[] i32: the index of the first of `bounds` (ascending) that holds every real row's cache after a
-    step writes num_new [B] tokens after start [B] cached ones; rows with num_new 0 (idle) do not
-    count, and with none real it is 0."""
-    needed = jnp.max(jnp.where(num_new > 0, start + num_new, 0))
+    step writes num_new [B] tokens after start [B] cached ones (`past_only`: the start[B] cached
+    before it); rows with num_new 0 (idle) do not count, and with none real it is 0."""
+    needed = jnp.max(jnp.where(num_new > 0, start + (0 if past_only else num_new), 0))
     return jnp.sum(needed > jnp.asarray(bounds[:-1], jnp.int32)).astype(jnp.int32)
 
 
@@ -348,11 +400,14 @@ def forward(
     """Append tokens [B, T] (row b: its first num_new[b] are real, the rest padding) after start[b]
     cached tokens. `kv_len` (static) bounds the cache slots read (full layers, and sliding rings that
     have not wrapped yet), so attention costs what the context uses, not max_len: it must be at least
-    every start[b], and for one-token steps (T = 1, written before attending) start[b] + 1. For
-    one-token steps `kv_len` may be a tuple of ascending bounds ending at max_len: the step reads the
-    smallest that holds every row's cache after its write, chosen at run time (one program for every
-    context length), and `rows` [B] names the cache row of each row, so a group of a larger cache
-    writes and reads its own rows in place (None: row b is cache row b).
+    every start[b], and for steps written before attending start[b] + num_new[b]. `kv_len` may be a
+    tuple of ascending bounds ending at max_len: the step reads the smallest that holds every row's
+    cache after its write (a chunk: that holds every row's start, its past), chosen at run time (one
+    program for every context length). `rows` [B] names the cache row of each row, so a group of a
+    larger cache, or one slot's prefill chunk, writes and reads its own rows in place (None: row b
+    is cache row b). A chunk (T > 1) takes the tuple only with `rows`; it attends to its past and
+    its own keys as the plain chunk does, reading a full layer's past after its write and a ring's
+    rows before it (a chunk can overwrite ring slots its own earlier queries still see).
     Returns (logits, new cache): logits [B, V] at each row's last real token (`logits="last"`; rows
     with num_new 0 get garbage) or [B, T, V] (`"all"`). `hidden` (static): also return the last
     hidden state after the final norm, [B, H] or [B, T, H] like the logits (what an MTP assistant
@@ -363,16 +418,19 @@ def forward(
     B, T = tokens.shape
     t = jnp.arange(T)[None, :]
     new_pos = start[:, None] + t
-    if isinstance(kv_len, tuple) or rows is not None:
-        assert T == 1, "a tuple of KV bounds and cache rows are for one-token steps"
-    kv_index = None
+    if T > 1 and isinstance(kv_len, tuple) and rows is None:
+        raise ValueError("a chunk reads a tuple of KV bounds only when written into its cache rows (`rows`)")
+    kv_index = past_index = None
     if isinstance(kv_len, tuple):
         slots = max(layer.slots for layer in cache.layers if layer is not None)
         if list(kv_len) != sorted(set(kv_len)) or kv_len[-1] < slots:
             raise ValueError(f"KV bounds {kv_len} must ascend and end at the cache's {slots} slots or more")
-        kv_index = kv_bound_index(kv_len, start, num_new)
+        if T == 1:
+            kv_index = kv_bound_index(kv_len, start, num_new)
+        else:
+            past_index = kv_bound_index(kv_len, start, num_new, past_only=True)
     batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len,
-                   kv_index=kv_index, rows=rows)
+                   kv_index=kv_index, past_index=past_index, rows=rows)
 
     h = embed(params, tokens, config, precision.activation)
     ple = per_layer_inputs(params, tokens, h, config) if config.hidden_size_per_layer_input else None

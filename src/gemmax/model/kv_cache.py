@@ -150,13 +150,9 @@ class KVCache:
         """The dtypes the layers hold their values in (bf16 for a bf16 cache stored as bits)."""
         return tuple(sorted({layer.dtype for layer in self.layers if layer is not None}))
 
-    def rows(self, slot: jax.Array, size: int = 1, bound: int | None = None) -> KVCache:
-        """Rows [slot, slot + size) of every array (a traced `slot`), as buffers of their own; with
-        `bound`, only their first `bound` slots where that is below a layer's slot count (as `gather`
-        with its kv_len: every position the rows hold or are given must be below `bound`, so a ring
-        has not wrapped). A 32-token prefill of the built-in model into 8 slots of 4,096 positions at
-        KV bound 256 copied each global layer's 4,096 slots (and each 512-slot ring) out and back for
-        the 288 it touches: 53.7 ms, against 42.4 ms with only those.
+    def rows(self, slot: jax.Array, size: int = 1) -> KVCache:
+        """Rows [slot, slot + size) of every array (a traced `slot`), as buffers of their own (a row
+        computed on alone: batch-invariant decode).
 
         Sliced plainly, the slice fuses into its consumers (the attention's reads of the past), which
         then read the whole donated cache; writing the rows back (`put_rows`) in place must wait for
@@ -164,11 +160,11 @@ class KVCache:
         twice instead (a 32-token prefill of the built-in model with 8 slots of 4,096 positions:
         139-140 ms, against 74-94 ms with the rows read through `opaque`, whose result the write
         back depends on; docs/cpu_decode.md)."""
-        return opaque(slot >= 0, lambda cache: jax.tree.map(
-            lambda a: lax.dynamic_slice_in_dim(a, slot, size, axis=0)[:, _moving(a, bound)], cache), self)
+        return opaque(slot >= 0, lambda cache: jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, slot, size, axis=0),
+                                                            cache), self)
 
     def put_rows(self, rows: KVCache, slot: jax.Array) -> KVCache:
-        """This cache with `rows` (from `rows`, all slots or the first `bound`) written back at `slot`."""
+        """This cache with `rows` (from `rows`) written back at `slot`."""
         return jax.tree.map(lambda a, r: lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0),
                             self, rows)
 

@@ -4,7 +4,7 @@ A prefill chunk multiplies T tokens by every weight matrix: compute-bound where 
 bandwidth-bound, so its roofline is FLOP/s, not GB/s. The run compiles the engine's own
 `prefill_step` for one chunk of T tokens into one slot after `context` cached tokens, as the last
 chunk of its prompt (so the LM head runs, as on the chunk that gives TTFT; the first token's
-sampling is a program of its own, `first_tokens`, not timed here), times it untraced and traces
+sampling is a program of its own, `draw`, not timed here), times it untraced and traces
 it like the decode step (`run._measure`): the same op categories.
 
 - FLOPs per chunk are counted on the step's own jaxpr (`dot_flops`): every `dot_general` (the
