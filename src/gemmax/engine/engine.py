@@ -653,7 +653,7 @@ class BatchEngine:
         compiled = self.steps.prefill_rows.size() != before
         if not last_chunk:
             return None, compiled
-        out, new = self._first_tokens(logits, rows, want_logprobs, None, num_new > 0)
+        out, new = self._first_tokens(logits, rows, want_logprobs, take=num_new > 0)
         return out, compiled or new
 
     def _draw_args(self, logits: jax.Array, rows: np.ndarray | jax.Array | None, want_logprobs: np.ndarray,

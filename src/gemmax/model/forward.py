@@ -228,19 +228,15 @@ def _attention(
                 new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=False, rows=batch.rows)
                 keys = (_RowsPast(new_entry, batch.rows), own)
         else:  # a chunk can overwrite ring slots its own earlier queries still see: read, then write
-            visible = cache_entry.visible(batch.kv_len)
-            keys = (Keys(visible.read("k", k.dtype), visible.read("v", v.dtype),
-                         *slot_positions(batch.start, visible.slots)), own)
+            keys = (_RowsPast(cache_entry, None), own)
             new_entry = cache_entry.write(k, v, batch.new_pos, batch.new_valid, ring=ring)
         shared[layer_index] = keys
     else:
         keys = shared[spec.kv_donor]
     if isinstance(keys, LayerCache):  # a one-token step: the cache after its write
         out = _attend_step(q, keys, batch, spec.sliding_window, config.attention_scale)
-    elif isinstance(keys[0], _RowsPast):  # a chunk written into its cache rows
+    else:  # a chunk: its past and its own keys
         out = _attend_past(q, *keys, batch, spec.sliding_window, config.attention_scale)
-    else:
-        out = attend_chunk(q, batch.q_pos, *keys, spec.sliding_window, config.attention_scale)
     return linear(out.reshape(B, Tq, nh * hd), layer["o"]), new_entry
 
 
@@ -261,9 +257,8 @@ def _attend_step(q: jax.Array, entry: LayerCache, batch: _Batch, window: int | N
 
 @dataclasses.dataclass(frozen=True)
 class _RowsPast:
-    """Where a chunk written into its cache rows reads its past (not a pytree: lives only while
-    tracing): rows `rows` of `entry` (None: `entry` holds just those rows), the slots below the
-    chunk's start."""
+    """Where a chunk reads its past, the slots below its start (not a pytree: lives only while
+    tracing): rows `rows` of `entry` (None: every row of `entry`, row b the chunk's row b)."""
 
     entry: LayerCache
     rows: jax.Array | None
@@ -271,8 +266,8 @@ class _RowsPast:
 
 def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window: int | None,
                  scale: float) -> jax.Array:
-    """A chunk's queries over its rows' past and its own keys, `attend_chunk` as the plain chunk
-    does, the past read up to the KV bound that holds every row's start, chosen on the device
+    """A chunk's queries over its rows' past and its own keys (`attend_chunk`), the past read up to
+    the static KV bound or, from a tuple, the one that holds every row's start, chosen on the device
     (`batch.past_index`) as `_attend_step` chooses its own."""
 
     def within(size: int) -> jax.Array:
