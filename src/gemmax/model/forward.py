@@ -90,8 +90,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, nh, hd)
+    # p.v as one batched matmul over (b, k) with the groups' queries as rows: XLA:CPU lowers the
+    # einsum's five-index form to a transpose of v per step (13% of a batch-8 decode at 600 cached
+    # tokens); this form reads v where it lies
+    out = jax.lax.dot_general(probs.reshape(B, nkv, -1, probs.shape[-1]), v, (((3,), (1,)), ((0, 1), (0, 2))))
+    return out.reshape(B, nkv, nh // nkv, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
 
 
 @jax.tree_util.register_dataclass
