@@ -113,12 +113,18 @@ def test_masked_rows_draw_allowed_tokens_and_free_rows_are_unchanged():
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    from gemmax.engine.engine import BatchEngine
+def tiny_loaded(tmp_path_factory):
     from gemmax.engine.loading import load_model
     from tiny_checkpoint import write_tiny_checkpoint
 
-    loaded = load_model(str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")), "float32")
+    return load_model(str(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")), "float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_loaded):
+    from gemmax.engine.engine import BatchEngine
+
+    loaded = tiny_loaded
     eng = BatchEngine(loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2)
     eng.shapes = dataclasses.replace(eng.shapes, decode_groups=(4,))  # one decode shape: free and masked
     eng.start()
@@ -147,3 +153,35 @@ def test_free_rows_beside_constrained_rows_in_the_engine(tiny_engine):
         assert result.finish_reason in ("stop", "length"), result
         assert re.fullmatch("[ab]*", tok.decode(result.token_ids)) and result.token_ids, tok.decode(result.token_ids)
     assert [results[1].token_ids, results[3].token_ids] == [r.token_ids for r in alone]
+
+
+def test_a_constrained_request_is_flagged_exactly_when_its_draw_compiles(tiny_loaded):
+    """`uncompiled_shape` says a request waited for a compile. Constrained draws are not warmed up: a
+    constrained prompt's first token compiles the masked one-row draw; a decode group of one row
+    draws with that same program, so a later request that decodes alone compiles nothing and is not
+    flagged (it was, when the flag was set on a group size's first constrained decode); a group of
+    two compiles its own masked draw, and both its rows are flagged."""
+    from gemmax.engine.engine import BatchEngine
+
+    eng = BatchEngine(tiny_loaded, max_model_len=64, max_batch=2, buckets=(16,), steps_per_dispatch=2,
+                      prefix_cache_bytes=0).start()
+    try:
+        assert eng.wait_ready(300)
+        prompt = tuple(tiny_loaded.tokenizer.encode("Hello world"))
+
+        def run(max_tokens: int, n: int = 1) -> tuple[list[bool], int]:
+            """(each request's flag, masked draw programs compiled meanwhile) for n requests at once (12
+            letters: more than 6 tokens of this tokenizer, so each one decodes to max_tokens)."""
+            before = eng.steps.draw.size()
+            handles = [eng.submit(GenerationRequest(prompt, max_tokens, SamplingParams(temperature=1.0, seed=seed),
+                                                    constraint=Constraint("regex", "[ab]{12}")))
+                       for seed in range(n)]
+            results = [h.wait() for h in handles]
+            assert all(len(r.token_ids) == max_tokens for r in results)
+            return [r.timings.uncompiled_shape for r in results], eng.steps.draw.size() - before
+
+        assert run(1) == ([True], 1)  # the first token only: the masked one-row draw compiles
+        assert run(6) == ([False], 0)  # then it decodes as a group of one: the same program
+        assert run(6, n=2) == ([True, True], 1)  # a group of two: its own masked draw
+    finally:
+        eng.shutdown(drain_timeout=5)

@@ -328,7 +328,8 @@ class BatchEngine:
         """Constrained decoding's own shapes (`draw` with a mask, per group) are not warmed
         up: warm-up compiles only what every request can need (start-up time matters to everyone,
         constraints to some), so the first constrained request of each group size compiles it
-        (seconds on CPU) and says so in its timings (`uncompiled_shape`)."""
+        (seconds on CPU) and says so in its timings (`uncompiled_shape`, set where the draw's
+        program table grew). `shapes_compiled`: the group sizes that have run constrained."""
         declared = len(self.shapes.decode_groups)
         return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_sizes)}
 
@@ -741,18 +742,18 @@ class BatchEngine:
         no further forward is enqueued once a queued request could take a free slot: an arrival's
         prefill waits for the step being sampled, not the rest of the dispatch."""
         group, drawn = self._group_rows(rows), self._drawn_rows(rows, self.want_logprobs)
-        size = len(slot_of)
-        if size not in self._constrained_sizes:  # this dispatch compiles: its rows' timings say so
-            self._constrained_sizes.add(size)
-            for i in slot_of:
-                if self._slots[i] is not None:
-                    self._slots[i].uncompiled = True
+        self._constrained_sizes.add(len(slot_of))
         logits = self._forward(group)
         for n in range(steps):
             if n and all(self._slots[i] is None for i in slot_of):
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
+            before = self.steps.draw.size()
             out = self._sample(logits, *drawn, masks)
+            if self.steps.draw.size() != before:  # this group's masked draw compiled now: its rows' timings say so
+                for i in slot_of:
+                    if self._slots[i] is not None:
+                        self._slots[i].uncompiled = True
             last = n + 1 == steps or self._admission_waiting()
             if not last:
                 logits = self._forward(group)
