@@ -170,11 +170,11 @@ def test_a_constrained_request_is_flagged_exactly_when_its_draw_compiles(tiny_lo
         prompt = tuple(tiny_loaded.tokenizer.encode("Hello world"))
 
         def run(max_tokens: int, n: int = 1) -> tuple[list[bool], int]:
-            """(each request's flag, masked draw programs compiled meanwhile) for n requests at once (12
-            letters: more than 6 tokens of this tokenizer, so each one decodes to max_tokens)."""
+            """(each request's flag, masked draw programs compiled meanwhile) for n requests at once (24
+            letters: more than 12 tokens of this tokenizer, so each one decodes to max_tokens)."""
             before = eng.steps.draw.size()
             handles = [eng.submit(GenerationRequest(prompt, max_tokens, SamplingParams(temperature=1.0, seed=seed),
-                                                    constraint=Constraint("regex", "[ab]{12}")))
+                                                    constraint=Constraint("regex", "[ab]{24}")))
                        for seed in range(n)]
             results = [h.wait() for h in handles]
             assert all(len(r.token_ids) == max_tokens for r in results)
@@ -182,6 +182,8 @@ def test_a_constrained_request_is_flagged_exactly_when_its_draw_compiles(tiny_lo
 
         assert run(1) == ([True], 1)  # the first token only: the masked one-row draw compiles
         assert run(6) == ([False], 0)  # then it decodes as a group of one: the same program
-        assert run(6, n=2) == ([True, True], 1)  # a group of two: its own masked draw
+        # a group of two: its own masked draw (12 tokens: the first still decoding when the second is
+        # admitted, even if it was admitted alone)
+        assert run(12, n=2) == ([True, True], 1)
     finally:
         eng.shutdown(drain_timeout=5)

@@ -327,9 +327,12 @@ class BatchEngine:
     def _constrained_report(self) -> dict[str, Any]:
         """Constrained decoding's own shapes (`draw` with a mask, per group) are not warmed
         up: warm-up compiles only what every request can need (start-up time matters to everyone,
-        constraints to some), so the first constrained request of each group size compiles it
+        constraints to some), so a constrained request whose draw has no program yet compiles it
         (seconds on CPU) and says so in its timings (`uncompiled_shape`, set where the draw's
-        program table grew). `shapes_compiled`: the group sizes that have run constrained."""
+        program table grew: a group of one row draws with the program a constrained prompt's first
+        token compiled). `shapes_compiled`: the decode group sizes that have decoded constrained,
+        whose masked draws exist by then (a request that ends at its first token compiles a masked
+        draw without decoding: not counted)."""
         declared = len(self.shapes.decode_groups)
         return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_sizes)}
 
