@@ -584,9 +584,11 @@ class BatchEngine:
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default
-        through two decode dispatches and a bit)."""
+        through two decode dispatches and a bit). Its prompt is one token longer than the bucket, so
+        its second chunk also runs the bucket's program on a cached past (a first chunk reads none:
+        `forward._attend_past`), whose branch's first run a prompt of two chunks would pay."""
         for bucket in buckets:
-            prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
+            prompt = (self.config.bos_token_id,) * min(bucket + 1, self.max_model_len - 1)
             request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
                                         logprobs=1 if bucket == self.shapes.buckets[0] else None)
             self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter(),
