@@ -632,10 +632,8 @@ class BatchEngine:
         """One chunk of a one-slot prefill (steps.prefill_step), and on the prompt's last chunk its
         first token (`_first_tokens`); returns that token's outputs ([1]-shaped, still being computed;
         None before the last chunk) and whether a shape compiled now."""
-        before = self.steps.prefill_step.size()
         args, statics = self._prefill_args(tokens, slot, start, num_new, last_chunk)
-        self.device, logits = self.steps.prefill_step(*args, **statics)
-        compiled = self.steps.prefill_step.size() != before
+        (self.device, logits), compiled = self.steps.prefill_step.run(*args, **statics)
         if not last_chunk:
             return None, compiled
         out, new = self._first_tokens(logits, np.asarray([slot]), np.asarray([want_logprobs]), mask)
@@ -653,10 +651,8 @@ class BatchEngine:
         """One chunk of a batched prefill (steps.prefill_rows), and on the prompts' last chunk their
         first tokens; returns those outputs per row (still being computed; None before the last
         chunk) and whether a shape compiled now."""
-        before = self.steps.prefill_rows.size()
         args, statics = self._prefill_rows_args(tokens, rows, start, num_new, last_chunk)
-        self.device, logits = self.steps.prefill_rows(*args, **statics)
-        compiled = self.steps.prefill_rows.size() != before
+        (self.device, logits), compiled = self.steps.prefill_rows.run(*args, **statics)
         if not last_chunk:
             return None, compiled
         out, new = self._first_tokens(logits, rows, want_logprobs, take=num_new > 0)
@@ -672,16 +668,17 @@ class BatchEngine:
         """Draw the first token of the prompts prefilled into `rows` from their last chunk's logits
         (steps.draw; rows with `take` false are padding, None: none is); (outputs per row, compiled
         now)."""
-        before = self.steps.draw.size()
         take = np.ones(len(rows), np.bool_) if take is None else take
-        self.device, out = self.steps.draw(*self._draw_args(logits, rows, want_logprobs, take, False, mask)[0])
-        return out[:4], self.steps.draw.size() != before
+        (self.device, out), compiled = self.steps.draw.run(*self._draw_args(logits, rows, want_logprobs, take, False,
+                                                                            mask)[0])
+        return out[:4], compiled
 
     def _sample(self, logits: jax.Array, rows: jax.Array | None, want: jax.Array, take: jax.Array, mask=None):
         """Enqueue the draw of a decode step of the group `rows` (None: every slot) from its forward's
-        `logits` (`_drawn_rows` gives rows, want and take); its outputs per row (still being computed)."""
-        self.device, out = self.steps.draw(*self._draw_args(logits, rows, want, take, True, mask)[0])
-        return out
+        `logits` (`_drawn_rows` gives rows, want and take); (its outputs per row, still being computed;
+        whether its draw program compiled now)."""
+        (self.device, out), compiled = self.steps.draw.run(*self._draw_args(logits, rows, want, take, True, mask)[0])
+        return out, compiled
 
     def _logits_like(self, rows: int) -> jax.Array:
         """Zero logits [rows, V] f32 placed as a forward returns them (replicated on a mesh): the
@@ -717,7 +714,7 @@ class BatchEngine:
         outputs = []
         group, drawn = self._group_rows(rows), self._drawn_rows(rows, want_logprobs)
         for _ in range(steps):
-            outputs.append(self._sample(self._forward(group), *drawn))
+            outputs.append(self._sample(self._forward(group), *drawn)[0])
         return outputs
 
     def _drawn_rows(self, rows: np.ndarray | None, want_logprobs: np.ndarray) -> tuple[jax.Array | None, ...]:
@@ -753,9 +750,8 @@ class BatchEngine:
             if n and all(self._slots[i] is None for i in slot_of):
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
-            before = self.steps.draw.size()
-            out = self._sample(logits, *drawn, masks)
-            if self.steps.draw.size() != before:  # this group's masked draw compiled now: its rows' timings say so
+            out, compiled = self._sample(logits, *drawn, masks)
+            if compiled:  # this group's masked draw compiled now: its rows' timings say so
                 for i in slot_of:
                     if self._slots[i] is not None:
                         self._slots[i].uncompiled = True

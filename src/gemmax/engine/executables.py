@@ -208,11 +208,17 @@ class CompiledStep:
             self._table.setdefault(key, (compiled, dict(statics)))
         return self._table[key][0], True
 
-    def __call__(self, *args, **statics):
+    def run(self, *args, **statics) -> tuple[Any, bool]:
+        """(the call's outputs, whether this call compiled or loaded its program): what a request's
+        timings report as `uncompiled_shape`."""
         key = call_key(args, statics)
-        out = self._get(key, args, statics)[0](*args)
+        program, new = self._get(key, args, statics)
+        out = program(*args)
         self._ran.add(key)
-        return out
+        return out, new
+
+    def __call__(self, *args, **statics):
+        return self.run(*args, **statics)[0]
 
 
 class CompiledSteps:

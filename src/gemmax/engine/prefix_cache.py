@@ -279,10 +279,8 @@ class PrefixCache:
 
     def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
         """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
-        before = self.steps.load_blocks.size()
-        cache = self.steps.load_blocks(*self._load_args(cache, slot, self._load_size(hit.blocks), hit.entries,
-                                                        hit.sliding_entries, hit.blocks), **self._statics)
-        return cache, self.steps.load_blocks.size() != before
+        return self.steps.load_blocks.run(*self._load_args(cache, slot, self._load_size(hit.blocks), hit.entries,
+                                                           hit.sliding_entries, hit.blocks), **self._statics)
 
     # -------------------------------------------------------------------------------------- store
     def _saves_sliding(self, index: int, written: int) -> bool:
@@ -325,7 +323,6 @@ class PrefixCache:
                 self._entries.move_to_end(key)
         if not blocks:
             return False
-        before = self.steps.store_blocks.size()
-        self.pool = self.steps.store_blocks(*self._store_args(cache, slot, _bucket(len(blocks)), blocks, entries,
-                                                              sliding), **self._statics)
-        return self.steps.store_blocks.size() != before
+        self.pool, compiled = self.steps.store_blocks.run(*self._store_args(cache, slot, _bucket(len(blocks)), blocks,
+                                                                            entries, sliding), **self._statics)
+        return compiled
