@@ -420,7 +420,7 @@ def test_a_one_token_prefill_bucket_is_refused():
 
 
 def test_a_step_reads_the_first_bound_that_holds_every_real_row():
-    from gemmax.model.forward import kv_bound_index
+    from gemmax.model.forward import kv_bound_index, past_bounds
 
     bounds = (256, 1024, 2048)
 
@@ -438,6 +438,13 @@ def test_a_step_reads_the_first_bound_that_holds_every_real_row():
                                   past_only=True))
 
     assert past([256], [32]) == 0 and index([256], [32]) == 1 and past([257], [32]) == 1
+
+    def chunk(start, num_new):  # a chunk's past: 0 first reads none (forward.past_bounds)
+        return int(kv_bound_index(past_bounds(bounds), jnp.asarray(start, jnp.int32), jnp.asarray(num_new, jnp.int32),
+                                  past_only=True))
+
+    assert chunk([0, 0], [32, 32]) == 0 and chunk([0, 700], [32, 0]) == 0  # an idle row's past does not count
+    assert chunk([1, 0], [32, 32]) == 1 and chunk([256], [32]) == 1 and chunk([257], [32]) == 2
     assert past([1024], [512]) == 1 and past([1025], [512]) == 2 and past([1500, 0], [0, 3]) == 0
 
 
@@ -545,10 +552,41 @@ def test_draw_moves_what_its_step_owns_and_nothing_else(loaded, every_slot):
                     assert np.array_equal(a[[0, 3]], b[[0, 3]])
 
 
+@pytest.mark.parametrize("tokens", [12, 256])  # 256: attention in query blocks (forward.attend_chunk)
+def test_a_first_chunk_reads_no_past(loaded, tokens):
+    """A chunk with nothing cached (a prompt's first) takes the KV-bound switch's branch that reads no
+    past (forward's `_attend_past`): poisoned slots of its cache row (NaN, where stale values of an
+    earlier request would be) cannot reach it, and its logits are those of a clean cache; an idle row
+    with a past (num_new 0) does not change the choice. The controls: a static bound reads the masked
+    slots, and NaN reaches the logits through p.v (0 x NaN), so the poison would show if the branch
+    read them; a chunk after a past reads it; and the clean cache read through the static bound gives
+    the same logits."""
+    from gemmax.model.forward import Precision, forward
+
+    config, params = loaded.checkpoint.config, loaded.checkpoint.params
+    step = jax.jit(functools.partial(forward, config=config, precision=Precision(jnp.float32, jnp.float32)),
+                   static_argnames="kv_len")
+    ids = jnp.asarray(np.random.default_rng(3).integers(1, config.vocab_size, (2, tokens)), jnp.int32)
+    rows, num_new = jnp.asarray([1, 0], jnp.int32), jnp.asarray([tokens, 0], jnp.int32)
+    clean = init_cache(config, 2, 512, jnp.float32)
+    poisoned = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a, clean)
+
+    def logits(cache, kv_len, start=(0, 100)):
+        out = step(params, cache, ids, jnp.asarray(start, jnp.int32), num_new, kv_len=kv_len, rows=rows)[0]
+        return np.asarray(out[0])  # the real row's
+
+    reference = logits(clean, (64, 512))
+    assert np.isfinite(reference).all()
+    np.testing.assert_array_equal(logits(poisoned, (64, 512)), reference)
+    np.testing.assert_allclose(logits(clean, 64), reference, atol=1e-5)
+    assert np.isnan(logits(poisoned, 64)).all()  # a static bound reads the poisoned past
+    assert np.isnan(logits(poisoned, (64, 512), start=(4, 100))).all()  # a chunk with a past reads it
+
+
 def test_a_prefill_chunk_reads_the_bounds_its_context_needs_and_touches_no_other_row(loaded):
     """prefill_step with the tuple of KV bounds (2, 8, 64): a 20-token prompt in chunks of 2, then 3
-    tokens into slot 2 (chunk starts 0 .. 17: each bound's branch, for the full layers' reads after
-    the write and the 4-slot rings' reads before it) gives each chunk's logits, and the cache, of the
+    tokens into slot 2 (chunk starts 0 .. 17: the first reads no past, the rest each bound's branch,
+    for the full layers' reads after the write and the 4-slot rings' reads before it) gives each chunk's logits, and the cache, of the
     plain chunked forward of a cache of its own (which reads the past, then writes); the other
     slots, prefilled before, keep their rows."""
     import jax
@@ -562,7 +600,7 @@ def test_a_prefill_chunk_reads_the_bounds_its_context_needs_and_touches_no_other
     rng = np.random.default_rng(7)
     bounds, prompt = (2, 8, 64), rng.integers(1, config.vocab_size, 20)
 
-    def chunks(ids):  # (start, real tokens, chunk [1, 3]): 2 tokens first (a full layer reads bound 2), then 3
+    def chunks(ids):  # (start, real tokens, chunk [1, 3]): 2 tokens first (the next chunk reads bound 2), then 3
         start = 0
         while start < len(ids):
             real = min(2 if start == 0 else 3, len(ids) - start)

@@ -575,20 +575,28 @@ class BatchEngine:
         (`YnnFusionThunk`), not when it compiles or loads it: on the built-in model (bf16) that first run
         cost 0.4-0.8 s more than the next one for every prefill and batched decode program (a
         512-token chunk 1.37 s, then 0.59 s; a batch-4 decode step at KV bound 1024 0.78 s, then
-        0.12 s), which the first request of each shape paid. A prefill chunk of more than
-        RUN_ONCE_TOKENS tokens is not run: its compute would cost every start more than the set-up it
-        saves the first such prompt."""
+        0.12 s), which the first request of each shape paid. That set-up is per branch of a program's
+        conditionals: a one-slot chunk's program runs at start 0 (its first chunk reads no past:
+        `forward._attend_past`) and, below the largest bucket, at starts `bucket` and the largest
+        bucket, the past bounds a prompt's later chunks of that bucket read (the smallest KV bound,
+        then the next; with one run only, the first 41-token request took 169 ms against 93 for the
+        next). A prefill chunk of more than RUN_ONCE_TOKENS tokens is not run: its compute would cost
+        every start more than the set-up it saves the first such prompt."""
         if name in ("prefill_step", "prefill_rows") and args[2].size > RUN_ONCE_TOKENS:  # tokens [rows, bucket]
             return
-        self.device = getattr(self.steps, name)(*_with_state(args, self.device), **statics)[0]
+        runs = [args]
+        if name == "prefill_step":  # args: params, state, tokens [1, bucket], slot, start, num_new, last_chunk
+            bucket, largest = args[2].shape[1], self.shapes.buckets[-1]
+            runs += [(*args[:4], jnp.int32(start), *args[5:]) for start in (bucket, largest)
+                     if bucket < largest and start + bucket <= self.max_model_len]
+        for run in runs:
+            self.device = getattr(self.steps, name)(*_with_state(run, self.device), **statics)[0]
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default
-        through two decode dispatches and a bit). Its prompt is one token longer than the bucket, so
-        its second chunk also runs the bucket's program on a cached past (a first chunk reads none:
-        `forward._attend_past`), whose branch's first run a prompt of two chunks would pay."""
+        through two decode dispatches and a bit)."""
         for bucket in buckets:
-            prompt = (self.config.bos_token_id,) * min(bucket + 1, self.max_model_len - 1)
+            prompt = (self.config.bos_token_id,) * min(bucket, self.max_model_len - 1)
             request = GenerationRequest(prompt, max_tokens=max_tokens or 2 * self.steps_per_dispatch + 1, ignore_eos=True,
                                         logprobs=1 if bucket == self.shapes.buckets[0] else None)
             self._prefill_into(0, RequestHandle("warm-up", request), time.perf_counter(),
@@ -669,8 +677,8 @@ class BatchEngine:
         (steps.draw; rows with `take` false are padding, None: none is); (outputs per row, compiled
         now)."""
         take = np.ones(len(rows), np.bool_) if take is None else take
-        (self.device, out), compiled = self.steps.draw.run(*self._draw_args(logits, rows, want_logprobs, take, False,
-                                                                            mask)[0])
+        args, _ = self._draw_args(logits, rows, want_logprobs, take, False, mask)
+        (self.device, out), compiled = self.steps.draw.run(*args)
         return out[:4], compiled
 
     def _sample(self, logits: jax.Array, rows: jax.Array | None, want: jax.Array, take: jax.Array, mask=None):

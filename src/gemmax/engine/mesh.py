@@ -131,9 +131,6 @@ class _OnMesh:
         with jax.set_mesh(self.mesh):
             return self.jitted.lower(*args, **kwargs)
 
-    def _cache_size(self) -> int:
-        return self.jitted._cache_size()
-
 
 def mesh_steps(mesh: Mesh, config: ModelConfig, slots: int, max_len: int, precision) -> MeshSteps:
     abstract = jax.eval_shape(lambda: steps.init_device_state(config, slots, max_len, precision))

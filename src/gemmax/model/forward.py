@@ -123,9 +123,9 @@ def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys | None, own: Keys, w
                  scale: float) -> jax.Array:
     """Attention of a chunk's queries q [B, Tq, nh, hd] (positions q_pos [B, Tq]) over the cached
     keys read before the chunk wrote them (`past`; None for a decode step, whose `own` is the cache
-    read after its write, and for a chunk with nothing cached) and the chunk's own keys `own` [B, T, ...]: per
-    query, `attend`'s softmax over every key it can see, so every path (decode, prefill, verify) sums
-    the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple
+    read after its write, and for a chunk with nothing cached) and the chunk's own keys `own`
+    [B, T, ...]: per query, `attend`'s softmax over every key it can see, so every path (decode,
+    prefill, verify) sums the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple
     of QUERY_BLOCK above it), query block i reads only the own keys from its window's start to its
     end: a 512-token chunk computes 10 of the 16 128 x 128 own-key score blocks, with no extra
     compiled shape."""
@@ -270,10 +270,10 @@ def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window
     """A chunk's queries over its rows' past and its own keys (`attend_chunk`), the past read up to
     the static KV bound or, from a tuple, the one that holds every row's start, chosen on the device
     (`batch.past_index`) as `_attend_step` chooses its own. With a tuple, a chunk with nothing cached
-    (every real row's start 0: a prompt's first chunk) takes a branch that reads no past: the smallest
-    bound's slots would all be masked, and on the built-in model they cost 15% of a 521-token TTFT
-    (523 -> 442 ms) and 8% of a 41-token one (101 -> 93 ms). A ring's past is then read out before
-    the chunk's write (`_attention`), so no branch reads what the write changed."""
+    (every real row's start 0: a prompt's first chunk) takes a branch that reads no past
+    (`past_bounds`): the smallest bound's slots would all be masked, and on the built-in model they
+    cost 15% of a 521-token TTFT (README, "A first chunk that reads no past"). A ring's past is
+    read out before the chunk's write (`_attention`), so no branch reads what the write changed."""
 
     def within(size: int) -> jax.Array:
         if size == 0:
@@ -282,8 +282,12 @@ def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window
         keys = Keys(visible.read("k", q.dtype), visible.read("v", q.dtype), *slot_positions(batch.start, size))
         return attend_chunk(q, batch.q_pos, keys, own, window, scale)
 
-    bounds = (0, *batch.kv_len) if isinstance(batch.kv_len, tuple) else batch.kv_len
-    return _switch(bounds, batch.past_index, past.entry.slots, within)
+    return _switch(past_bounds(batch.kv_len), batch.past_index, past.entry.slots, within)
+
+
+def past_bounds(kv_len: int | tuple[int, ...] | None) -> int | tuple[int, ...] | None:
+    """The bounds a chunk's past is read within: a tuple of KV bounds gains 0, a past of no slots."""
+    return (0, *kv_len) if isinstance(kv_len, tuple) else kv_len
 
 
 def _switch(kv_len: int | tuple[int, ...] | None, index: jax.Array | None, slots: int, within) -> jax.Array:
@@ -406,8 +410,7 @@ def forward(
     every start[b], and for steps written before attending start[b] + num_new[b]. `kv_len` may be a
     tuple of ascending bounds ending at max_len: the step reads the smallest that holds every row's
     cache after its write (a chunk: that holds every row's start, its past; none when nothing is
-    cached), chosen at run time (one
-    program for every context length). `rows` [B] names the cache row of each row, so a group of a
+    cached), chosen at run time (one program for every context length). `rows` [B] names the cache row of each row, so a group of a
     larger cache, or one slot's prefill chunk, writes and reads its own rows in place (None: row b
     is cache row b). A chunk (T > 1) takes the tuple only with `rows`; it attends to its past and
     its own keys as the plain chunk does, reading a full layer's past after its write and a ring's
@@ -432,7 +435,7 @@ def forward(
         if T == 1:
             kv_index = kv_bound_index(kv_len, start, num_new)
         else:
-            past_index = kv_bound_index((0, *kv_len), start, num_new, past_only=True)
+            past_index = kv_bound_index(past_bounds(kv_len), start, num_new, past_only=True)
     batch = _Batch(start=start, new_pos=new_pos, new_valid=t < num_new[:, None], q_pos=new_pos, kv_len=kv_len,
                    kv_index=kv_index, past_index=past_index, rows=rows)
 

@@ -40,8 +40,10 @@ from gemmax.model.stored import StoredWeight
 # fusion accepts: 4096 already falls back to an f32 copy of the weight (checked in tests).
 GEMV_MAX_IN = 4095
 
-# Most rows for which the CPU GEMM takes the weight as its left operand (`streams_weight`).
+# Most rows for which the CPU GEMM takes the weight as its left operand (`streams_weight`), and the
+# fewest from which every weight does, whatever its width.
 STREAM_MAX_ROWS = 64
+STREAM_ANY_MIN_ROWS = 32
 
 # Column blocks are a multiple of this many inputs (cache lines of bf16, SIMD-friendly widths).
 _BLOCK_ALIGN = 64
@@ -94,11 +96,18 @@ def streams_weight(rows: int, w: jax.Array) -> bool:
     XLA:CPU's YNNPACK GEMM reads bf16 weights at 11-13 GB/s at batch 8 with W as its right operand
     (x @ W.T) and at 14-17 GB/s with W as its left operand (E2B shapes; f32 weights 6 vs 12 GB/s);
     it appears to repack its right operand on every call. Measured (docs/cpu_decode.md): faster up
-    to 64 rows (512-row prefill buckets are faster with W on the right) for 1024-3072 inputs, slower
-    below 1024 inputs (384, 512, 640) and when a row of W is a multiple of 4 KiB (2048 bf16 inputs:
-    10 vs 14 GB/s; presumably rows that far apart share cache sets), so those keep the plain form."""
+    to 64 rows (512-row prefill buckets are faster with W on the right) for 1024-3072 inputs; at
+    decode's few rows slower below 1024 inputs (384, 512, 640) and when a row of W is a multiple of
+    4 KiB (2048 bf16 inputs: 10 vs 14 GB/s; presumably rows that far apart share cache sets), so
+    those keep the plain form below STREAM_ANY_MIN_ROWS rows. From 32 rows (a 32-token prefill
+    chunk, a verify step of several rows) they stream too. Gemma 3 270M's 126 layer products (640,
+    1024 and 2048 inputs, bf16, one jit, 2-core Zen 4, 2026-12-05), ms, as before (only the
+    1024-input ones streamed) against every weight streamed: 32 rows 28.9-29.5 -> 23.7-24.4, 64 rows
+    46.8-48.0 -> 38.0, 16 rows 20.5-20.9 -> 20.0 (kept as before: within noise), 128 rows (none
+    streamed) 96.0 -> 101.9."""
     k = w.shape[1]
-    return (1 < rows <= STREAM_MAX_ROWS and k >= 1024 and (k * w.dtype.itemsize) % 4096 != 0
+    wide = k >= 1024 and (k * w.dtype.itemsize) % 4096 != 0
+    return (1 < rows <= STREAM_MAX_ROWS and (wide or rows >= STREAM_ANY_MIN_ROWS)
             and jax.default_backend() == "cpu")
 
 
