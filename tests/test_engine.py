@@ -419,6 +419,24 @@ def test_a_one_token_prefill_bucket_is_refused():
         prefill_buckets(96, (1, 32))
 
 
+def test_warm_up_starts_a_chunk_at_every_past_it_can_read():
+    """`ShapePlan.warm_starts`: the starts whose chunks read each of the pasts `forward.past_bounds`
+    offers, none and every KV bound, each once (serve's CPU shapes, and a plan with one bound); the
+    largest bucket at 0 only."""
+    from gemmax.engine.shapes import ShapePlan
+    from gemmax.model.forward import kv_bound_index, past_bounds
+
+    for plan in (ShapePlan.create(2048, 8, (32, 128, 512)), ShapePlan.create(96, 3, (8, 32))):
+        bounds = past_bounds(plan.kv_buckets)
+        for bucket in plan.buckets[:-1]:
+            starts = plan.warm_starts(bucket)
+            read = [int(kv_bound_index(bounds, jnp.asarray([s], jnp.int32), jnp.ones(1, jnp.int32), past_only=True))
+                    for s in starts]
+            assert read == list(range(len(bounds))) and max(starts) < plan.max_model_len
+        assert plan.warm_starts(plan.buckets[-1]) == (0,)
+    assert ShapePlan.create(2048, 8, (32, 128, 512)).warm_starts(32) == (0, 1, 257, 1025)
+
+
 def test_a_step_reads_the_first_bound_that_holds_every_real_row():
     from gemmax.model.forward import kv_bound_index, past_bounds
 
@@ -433,19 +451,14 @@ def test_a_step_reads_the_first_bound_that_holds_every_real_row():
     assert index([1023, 5], [1, 1]) == 1 and index([1024, 5], [1, 1]) == 2
     assert index([2000, 7], [0, 0]) == 0  # no real row
 
-    def past(start, num_new):  # a ring read before a chunk's write holds only the start cached positions
-        return int(kv_bound_index(bounds, jnp.asarray(start, jnp.int32), jnp.asarray(num_new, jnp.int32),
-                                  past_only=True))
-
-    assert past([256], [32]) == 0 and index([256], [32]) == 1 and past([257], [32]) == 1
-
-    def chunk(start, num_new):  # a chunk's past: 0 first reads none (forward.past_bounds)
+    def chunk(start, num_new):  # a chunk's past (forward.past_bounds): none at 0, else the bound that holds its start
         return int(kv_bound_index(past_bounds(bounds), jnp.asarray(start, jnp.int32), jnp.asarray(num_new, jnp.int32),
                                   past_only=True))
 
     assert chunk([0, 0], [32, 32]) == 0 and chunk([0, 700], [32, 0]) == 0  # an idle row's past does not count
-    assert chunk([1, 0], [32, 32]) == 1 and chunk([256], [32]) == 1 and chunk([257], [32]) == 2
-    assert past([1024], [512]) == 1 and past([1025], [512]) == 2 and past([1500, 0], [0, 3]) == 0
+    assert chunk([1, 0], [32, 32]) == 1 and chunk([256], [32]) == 1 and index([256], [32]) == 1
+    assert chunk([257], [32]) == 2 and chunk([1024], [512]) == 2 and chunk([1025], [512]) == 3
+    assert chunk([1500, 0], [0, 3]) == 0 and chunk([1500, 0], [3, 3]) == 3  # the furthest real row's
 
 
 def test_kv_buckets_cover_max_model_len():
@@ -585,10 +598,10 @@ def test_a_first_chunk_reads_no_past(loaded, tokens):
 
 def test_a_prefill_chunk_reads_the_bounds_its_context_needs_and_touches_no_other_row(loaded):
     """prefill_step with the tuple of KV bounds (2, 8, 64): a 20-token prompt in chunks of 2, then 3
-    tokens into slot 2 (chunk starts 0 .. 17: the first reads no past, the rest each bound's branch,
-    for the full layers' reads after the write and the 4-slot rings' reads before it) gives each chunk's logits, and the cache, of the
-    plain chunked forward of a cache of its own (which reads the past, then writes); the other
-    slots, prefilled before, keep their rows."""
+    tokens into slot 2 (chunk starts 0 .. 17: the first reads no past, the rest each bound's branch, for
+    the full layers' reads after the write and the 4-slot rings' reads before it) gives each chunk's
+    logits, and the cache, of the plain chunked forward of a cache of its own (which reads the past, then
+    writes); the other slots, prefilled before, keep their rows."""
     import jax
 
     from gemmax.engine.steps import init_device_state, prefill_step

@@ -75,17 +75,28 @@ def test_a_restart_loads_every_step_and_a_damaged_one_is_compiled_anew(loaded, t
         assert not any(late for _, late in run)
 
 
-def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(loaded, tmp_path):
-    """Every declared program runs once before ready except prefill chunks of more than
-    RUN_ONCE_TOKENS tokens, one prompt's or a batched group's (their compute would cost every start
-    more than the set-up it saves); a chunk of exactly that many runs."""
+def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(loaded, tmp_path, monkeypatch):
+    """Every declared program runs before ready except prefill chunks of more than RUN_ONCE_TOKENS
+    tokens, one prompt's or a batched group's (their compute would cost every start more than the
+    set-up it saves); a chunk of exactly that many runs. A one-slot chunk's program runs at every
+    start of `ShapePlan.warm_starts`, one per past its chunks can read."""
     from gemmax.engine.engine import RUN_ONCE_TOKENS
+    from gemmax.engine.executables import CompiledStep
 
     assert RUN_ONCE_TOKENS == 512  # the shapes below straddle it
+    runs, call = [], CompiledStep.__call__
+
+    def recorded(step, *args, **statics):  # warm-up's first runs call the steps; requests use `run`
+        if step.name == "prefill_step":
+            runs.append((args[2].shape[1], int(args[4])))  # (bucket, start)
+        return call(step, *args, **statics)
+
+    monkeypatch.setattr(CompiledStep, "__call__", recorded)
     engine = BatchEngine(loaded, max_model_len=1088, max_batch=4, buckets=(128, 256, 1024),
                          compile_cache_dir=str(tmp_path), prefix_cache_bytes=0).start(background=False)
     try:
         plan = engine.shapes
+        assert sorted(runs) == sorted((bucket, start) for bucket in (128, 256) for start in plan.warm_starts(bucket))
         big_chunks = [bucket for bucket in plan.buckets if bucket > RUN_ONCE_TOKENS]
         big_groups = [(rows, bucket) for rows, bucket in plan.prefill_groups if rows * bucket > RUN_ONCE_TOKENS]
         assert big_chunks and big_groups == [(4, 256)]

@@ -86,13 +86,13 @@ def test_few_rows_put_the_weight_on_the_gemm_left():
     assert _compiled_reads(2048, rows=64) == (GEMM_LEFT,)
 
 
-@pytest.mark.parametrize("rows", [2, 8, 64])
-def test_weight_on_the_left_computes_the_same_product(rows):
+@pytest.mark.parametrize("rows, n_in", [(2, 1088), (8, 1088), (64, 1088), (32, 640)])
+def test_weight_on_the_left_computes_the_same_product(rows, n_in):
     """Every row equals the exact product of its bf16-rounded inputs, and the same row in a group of 2."""
     rng = np.random.default_rng(rows)
-    w = jnp.asarray(rng.standard_normal((192, 1088)), jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((rows, 1088)), jnp.float32)
-    assert _compiled_reads(1088, rows=rows) == (GEMM_LEFT,)
+    w = jnp.asarray(rng.standard_normal((192, n_in)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
+    assert _compiled_reads(n_in, rows=rows) == (GEMM_LEFT,)
     y = np.asarray(jax.jit(linear)(x, w))
     assert y.shape == (rows, 192) and y.dtype == np.float32
     exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T

@@ -3,7 +3,7 @@
 Device state: one KV cache with `max_batch` rows of `max_model_len` positions (sliding layers keep a
 ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
 compiled shapes are a small declared set, all compiled ahead of time by `warm_up` before the engine
-reports ready (each then run once on idle rows: XLA:CPU's first run of a program is slower), and kept
+reports ready (each then run on idle rows: XLA:CPU's first run of a program is slower), and kept
 on disk as executables that the next start loads (gemmax.engine.executables):
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
@@ -124,7 +124,7 @@ from gemmax.quant.int8 import gemm_copy_bytes
 
 log = logging.getLogger("gemmax.engine")
 
-# Warm-up runs every declared program once (`BatchEngine._run_once`) except prefill chunks of more
+# Warm-up runs every declared program (`BatchEngine._first_runs`) except prefill chunks of more
 # tokens than this: on the built-in model (bf16) a 512-token chunk ran in 0.6 s against 0.8 s of first-run
 # set-up, and a chunk's compute grows with its tokens and the model while the set-up does not.
 RUN_ONCE_TOKENS = 512
@@ -467,8 +467,8 @@ class BatchEngine:
         self.prefix_cache.steps.store = self.steps.store
 
     def _warm_up(self) -> None:
-        """Compile every declared shape ahead of time, several at once, each run once on idle rows as
-        soon as it is ready (`_run_once`: XLA:CPU's first run of a program is slower; the runs overlap
+        """Compile every declared shape ahead of time, several at once, each run on idle rows as
+        soon as it is ready (`_first_runs`: XLA:CPU's first run of a program is slower; the runs overlap
         the next compiles); on one device each compiled step is kept in the compile cache's
         executable store, so the next start loads it instead. Then one throwaway request of the
         smallest bucket, twice, runs through the real admission and decode path, compiling the small
@@ -532,8 +532,9 @@ class BatchEngine:
         return calls
 
     def _warm_up_drafter(self) -> None:
-        """The drafter's shapes, run once each (its steps are jitted, not ahead of time): a draft
-        model's prefill per bucket with a 1-token dummy chunk, then per decode group, k
+        """The drafter's shapes, run once each (its steps are jitted, not ahead of time; a draft
+        model's prefill at start 0 only, so its later chunks' past branches set up on first use): a
+        draft model's prefill per bucket with a 1-token dummy chunk, then per decode group, k
         and KV bound the proposal step (`_drafted`) and the target's verify step with q (all rows
         idle: nothing is kept)."""
         if self.drafter is not None:
@@ -561,34 +562,33 @@ class BatchEngine:
         state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type),
                              self.device)
         calls = [(name, _with_state(args, state), statics) for name, args, statics in self._declared_calls()]
-        self.steps.compile_all(calls, then=self._run_once)
+        self.steps.compile_all(calls, then=self._first_runs)
         if self.prefix_cache is None:
             return len(calls)
         copies = self.prefix_cache.declared_calls(self.device.cache)
         self.prefix_cache.steps.compile_all(copies)
         return len(calls) + len(copies)
 
-    def _run_once(self, name: str, args: tuple, statics: dict[str, Any]) -> None:
-        """Dispatch one run of a declared step on the engine's idle rows (its dummy arguments from
+    def _first_runs(self, name: str, args: tuple, statics: dict[str, Any]) -> None:
+        """Dispatch the first run of a declared step on the engine's idle rows (its dummy arguments from
         `_declared_calls`, the state swapped for the current one; warm-up allocates the state afresh
         afterwards). XLA:CPU builds the YNNPACK runtime of each GEMM fusion on a program's first run
         (`YnnFusionThunk`), not when it compiles or loads it: on the built-in model (bf16) that first run
         cost 0.4-0.8 s more than the next one for every prefill and batched decode program (a
         512-token chunk 1.37 s, then 0.59 s; a batch-4 decode step at KV bound 1024 0.78 s, then
         0.12 s), which the first request of each shape paid. That set-up is per branch of a program's
-        conditionals: a one-slot chunk's program runs at start 0 (its first chunk reads no past:
-        `forward._attend_past`) and, below the largest bucket, at starts `bucket` and the largest
-        bucket, the past bounds a prompt's later chunks of that bucket read (the smallest KV bound,
-        then the next; with one run only, the first 41-token request took 169 ms against 93 for the
-        next). A prefill chunk of more than RUN_ONCE_TOKENS tokens is not run: its compute would cost
-        every start more than the set-up it saves the first such prompt."""
+        conditionals, so a one-slot chunk's program runs at each start of `ShapePlan.warm_starts`,
+        one per past its chunks can read (with start 0 only, the first 41-token request took 169 ms
+        against 93 for the next: its second chunk was the first run of the 256-bound branch). A
+        prefill chunk of more than RUN_ONCE_TOKENS tokens is not run: its compute would cost every
+        start more than the set-up it saves the first such prompt."""
         if name in ("prefill_step", "prefill_rows") and args[2].size > RUN_ONCE_TOKENS:  # tokens [rows, bucket]
             return
         runs = [args]
-        if name == "prefill_step":  # args: params, state, tokens [1, bucket], slot, start, num_new, last_chunk
-            bucket, largest = args[2].shape[1], self.shapes.buckets[-1]
-            runs += [(*args[:4], jnp.int32(start), *args[5:]) for start in (bucket, largest)
-                     if bucket < largest and start + bucket <= self.max_model_len]
+        if name == "prefill_step":
+            tokens = np.zeros(args[2].shape, np.int32)
+            runs = [self._prefill_args(tokens, 0, start, 1, True)[0]
+                    for start in self.shapes.warm_starts(tokens.shape[1])]
         for run in runs:
             self.device = getattr(self.steps, name)(*_with_state(run, self.device), **statics)[0]
 
@@ -607,7 +607,7 @@ class BatchEngine:
     def _throwaway_group(self) -> None:
         """The smallest batched prefill shape, run once through `_prefill_group`, its rows decoded to
         their end: the batched admission path's own small kernels, as `_throwaway_requests` does for
-        one prompt (the programs' first runs are `_run_once`'s)."""
+        one prompt (the programs' first runs are `_first_runs`'s)."""
         if not self.shapes.prefill_groups:
             return
         rows, bucket = self.shapes.prefill_groups[0]
@@ -685,7 +685,8 @@ class BatchEngine:
         """Enqueue the draw of a decode step of the group `rows` (None: every slot) from its forward's
         `logits` (`_drawn_rows` gives rows, want and take); (its outputs per row, still being computed;
         whether its draw program compiled now)."""
-        (self.device, out), compiled = self.steps.draw.run(*self._draw_args(logits, rows, want, take, True, mask)[0])
+        args, _ = self._draw_args(logits, rows, want, take, True, mask)
+        (self.device, out), compiled = self.steps.draw.run(*args)
         return out, compiled
 
     def _logits_like(self, rows: int) -> jax.Array:

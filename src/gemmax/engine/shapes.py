@@ -98,6 +98,17 @@ class ShapePlan:
         """The smallest compiled decode group that holds `active` slots."""
         return next(g for g in self.decode_groups if g >= active)
 
+    def warm_starts(self, bucket: int) -> tuple[int, ...]:
+        """The chunk starts at which warm-up runs the one-slot prefill program of `bucket`, one for each
+        past its chunks can read (XLA:CPU sets up each branch of a program on its first run): 0 reads
+        none, a start s > 0 the first KV bound that holds it (`forward.past_bounds`), so 0, 1 and one
+        past each bound below the largest. The largest bucket runs at 0 only: three more 512-token
+        chunks would cost every start about 1.3 s on the built-in model, where their branches' set-up
+        costs a 2,000-token prompt's first request 0.4 s."""
+        if bucket == self.buckets[-1]:
+            return (0,)
+        return (0, 1, *(bound + 1 for bound in self.kv_buckets[:-1] if bound + 1 < self.max_model_len))
+
     @property
     def group_kv(self) -> int:
         """The KV bound of every batched prefill shape (the smallest KV bucket)."""

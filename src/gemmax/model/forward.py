@@ -123,12 +123,11 @@ def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys | None, own: Keys, w
                  scale: float) -> jax.Array:
     """Attention of a chunk's queries q [B, Tq, nh, hd] (positions q_pos [B, Tq]) over the cached
     keys read before the chunk wrote them (`past`; None for a decode step, whose `own` is the cache
-    read after its write, and for a chunk with nothing cached) and the chunk's own keys `own`
-    [B, T, ...]: per query, `attend`'s softmax over every key it can see, so every path (decode,
-    prefill, verify) sums the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple
-    of QUERY_BLOCK above it), query block i reads only the own keys from its window's start to its
-    end: a 512-token chunk computes 10 of the 16 128 x 128 own-key score blocks, with no extra
-    compiled shape."""
+    read after its write, and for a chunk with nothing cached) and the chunk's own keys `own` [B, T, ...]:
+    per query, `attend`'s softmax over every key it can see, so every path (decode, prefill, verify) sums
+    the same terms in the same form. When the queries are the chunk's own tokens (Tq = T, a multiple of
+    QUERY_BLOCK above it), query block i reads only the own keys from its window's start to its end: a
+    512-token chunk computes 10 of the 16 128 x 128 own-key score blocks, with no extra compiled shape."""
     Tq = q.shape[1]
     blocked = Tq == own.k.shape[1] and Tq > QUERY_BLOCK and Tq % QUERY_BLOCK == 0
     if not blocked:
@@ -160,7 +159,7 @@ class _Batch:
     # row, chosen at run time (`kv_index`, `past_index`)
     kv_len: int | tuple[int, ...] | None = None
     kv_index: jax.Array | None = None  # [] i32: which of a tuple kv_len's bounds this step reads
-    past_index: jax.Array | None = None  # [] i32: and which of (0, *kv_len) a chunk's read of its past (0: none)
+    past_index: jax.Array | None = None  # [] i32: and which of past_bounds(kv_len) a chunk's past (0: none)
     rows: jax.Array | None = None  # [B]: the cache row of each row (None: row b)
     tables: dict = dataclasses.field(default_factory=dict)  # rope_tables per (positions, frequencies)
 
@@ -272,7 +271,7 @@ def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window
     (`batch.past_index`) as `_attend_step` chooses its own. With a tuple, a chunk with nothing cached
     (every real row's start 0: a prompt's first chunk) takes a branch that reads no past
     (`past_bounds`): the smallest bound's slots would all be masked, and on the built-in model they
-    cost 15% of a 521-token TTFT (README, "A first chunk that reads no past"). A ring's past is
+    cost 15% of a 521-token TTFT (README, "A first chunk that reads no past, ..."). A ring's past is
     read out before the chunk's write (`_attention`), so no branch reads what the write changed."""
 
     def within(size: int) -> jax.Array:
@@ -408,11 +407,11 @@ def forward(
     cached tokens. `kv_len` (static) bounds the cache slots read (full layers, and sliding rings that
     have not wrapped yet), so attention costs what the context uses, not max_len: it must be at least
     every start[b], and for steps written before attending start[b] + num_new[b]. `kv_len` may be a
-    tuple of ascending bounds ending at max_len: the step reads the smallest that holds every row's
-    cache after its write (a chunk: that holds every row's start, its past; none when nothing is
-    cached), chosen at run time (one program for every context length). `rows` [B] names the cache row of each row, so a group of a
-    larger cache, or one slot's prefill chunk, writes and reads its own rows in place (None: row b
-    is cache row b). A chunk (T > 1) takes the tuple only with `rows`; it attends to its past and
+    tuple of ascending bounds ending at max_len: the step reads the smallest that holds every row's cache
+    after its write (a chunk: that holds every row's start, its past; none when nothing is cached), chosen
+    at run time (one program for every context length). `rows` [B] names the cache row of each row, so a
+    group of a larger cache, or one slot's prefill chunk, writes and reads its own rows in place (None:
+    row b is cache row b). A chunk (T > 1) takes the tuple only with `rows`; it attends to its past and
     its own keys as the plain chunk does, reading a full layer's past after its write and a ring's
     rows before it (a chunk can overwrite ring slots its own earlier queries still see).
     Returns (logits, new cache): logits [B, V] at each row's last real token (`logits="last"`; rows

@@ -104,7 +104,8 @@ def streams_weight(rows: int, w: jax.Array) -> bool:
     1024 and 2048 inputs, bf16, one jit, 2-core Zen 4, 2026-12-05), ms, as before (only the
     1024-input ones streamed) against every weight streamed: 32 rows 28.9-29.5 -> 23.7-24.4, 64 rows
     46.8-48.0 -> 38.0, 16 rows 20.5-20.9 -> 20.0 (kept as before: within noise), 128 rows (none
-    streamed) 96.0 -> 101.9."""
+    streamed) 96.0 -> 101.9. Only those bf16 shapes were measured: f32 weights and E2B's 4 KiB-row
+    projections at 32-64 rows (a decode group of 32 or 64, a verify step) follow the rule untested."""
     k = w.shape[1]
     wide = k >= 1024 and (k * w.dtype.itemsize) % 4096 != 0
     return (1 < rows <= STREAM_MAX_ROWS and (wide or rows >= STREAM_ANY_MIN_ROWS)
