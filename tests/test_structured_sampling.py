@@ -124,12 +124,11 @@ def tiny_loaded(tmp_path_factory):
 def tiny_engine(tiny_loaded):
     from gemmax.engine.engine import BatchEngine
 
-    loaded = tiny_loaded
-    eng = BatchEngine(loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2)
+    eng = BatchEngine(tiny_loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2)
     eng.shapes = dataclasses.replace(eng.shapes, decode_groups=(4,))  # one decode shape: free and masked
     eng.start()
     assert eng.wait_ready(300)
-    yield eng, loaded.tokenizer
+    yield eng, tiny_loaded.tokenizer
     eng.shutdown(drain_timeout=5)
 
 

@@ -114,7 +114,10 @@ class Keys:
 QUERY_BLOCK = 128  # chunk queries per block of `attend_chunk` (each reads only the chunk keys it can see)
 
 
-def _join(a: Keys, b: Keys) -> Keys:
+def _join(a: Keys | None, b: Keys) -> Keys:
+    """a's keys then b's (a None: a chunk with no past, b alone)."""
+    if a is None:
+        return b
     return Keys(*(jnp.concatenate([x, y], axis=1) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b),
                                                                    strict=True)))
 
@@ -131,13 +134,13 @@ def attend_chunk(q: jax.Array, q_pos: jax.Array, past: Keys | None, own: Keys, w
     Tq = q.shape[1]
     blocked = Tq == own.k.shape[1] and Tq > QUERY_BLOCK and Tq % QUERY_BLOCK == 0
     if not blocked:
-        keys = own if past is None else _join(past, own)
+        keys = _join(past, own)
         return attend(q, keys.k, keys.v, _visible(q_pos, keys.key_pos, keys.key_valid, window), scale)
     outs = []
     for lo in range(0, Tq, QUERY_BLOCK):
         hi = lo + QUERY_BLOCK
         first = 0 if window is None else max(0, lo - window + 1)  # keys before it are out of every query's window
-        keys = own.slice(first, hi) if past is None else _join(past, own.slice(first, hi))
+        keys = _join(past, own.slice(first, hi))
         outs.append(attend(q[:, lo:hi], keys.k, keys.v, _visible(q_pos[:, lo:hi], keys.key_pos, keys.key_valid,
                                                                   window), scale))
     return jnp.concatenate(outs, axis=1)

@@ -13,9 +13,9 @@
   45.0 / 48.2 ms with the tiles, 52.9 / 50.4 ms with the copy, whose one dot took 25.6 ms where
   the tiles' conversion and dots took 5.0-5.6 + 11.7-11.8 (the GEMM appears to repack its whole
   336 MB operand); and tiles of 1024 / 2048 / 8192 rows gave 50.1 / 48.5 / 47.7 ms against 45.7
-  for 4096. Only bf16 weights on a CPU not known
-  to lack bf16 instructions keep a copy: elsewhere the GEMM would run in f32 (4 bytes a weight) or in
-  emulated float16, and tiles are converted instead (`gemmax.quant.cpu.gemm_dtype`).
+  for 4096. Only bf16 weights on a CPU not known to lack bf16 instructions keep a copy: elsewhere the
+  GEMM would run in f32 (4 bytes a weight) or in emulated float16, and tiles are converted instead
+  (`gemmax.quant.cpu.gemm_dtype`).
 - "xla" (GPU, TPU): the int8 values converted to the compute dtype inside the dot, float32
   accumulation, the scales applied to the output.
 
