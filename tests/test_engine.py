@@ -169,6 +169,19 @@ def test_a_burst_at_an_idle_engine_prefills_as_one_group(engine, loaded, monkeyp
         assert list(result.token_ids) == _reference(loaded, prompt, 5)
 
 
+def test_fewer_prompts_than_the_smallest_batched_shape_prefill_alone(engine, loaded, monkeypatch):
+    """With a batched shape of 3 rows only, 2 prompts queued together prefill one at a time (the shape
+    would run an idle row) and 3 prefill together; every output is the solo path's."""
+    monkeypatch.setattr(engine, "shapes", dataclasses.replace(engine.shapes, prefill_groups=((3, 8),)))
+    for prompts, batch in (([(11, 12, 13), (21, 22)], 1), ([(11, 12, 13), (21, 22), (31, 32, 33, 34)], 3)):
+        with engine._lock:  # one admission sees them all
+            handles = [engine.submit(GenerationRequest(prompt, 4, ignore_eos=True)) for prompt in prompts]
+        results = [h.wait() for h in handles]
+        assert [r.timings.prefill_batch for r in results] == [batch] * len(prompts)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert list(result.token_ids) == _reference(loaded, prompt, 4)
+
+
 def test_streamed_events_equal_final_tokens_and_usage_timings(engine):
     handle = engine.submit(GenerationRequest((5, 6, 7), max_tokens=7, ignore_eos=True))
     streamed = [event.token_id for event in handle]
@@ -435,6 +448,24 @@ def test_warm_up_starts_a_chunk_at_every_past_it_can_read():
             assert read == list(range(len(bounds))) and max(starts) < plan.max_model_len
         assert plan.warm_starts(plan.buckets[-1]) == (0,)
     assert ShapePlan.create(2048, 8, (32, 128, 512)).warm_starts(32) == (0, 1, 257, 1025)
+
+
+def test_cpu_default_shapes_batch_only_four_or_more_prompts_of_one_short_chunk(loaded):
+    """With the CPU policy's buckets only 4 or more prompts of one 32-token chunk prefill batched
+    (`policy.CPU_PREFILL_GROUP_BUCKETS`, `CPU_PREFILL_GROUP_ROWS`): a 41-token prompt is one chunk of
+    64 and never waits for a group, and 2 or 3 prompts prefill one at a time instead of taking a
+    shape of 4 with idle rows. Buckets given explicitly all get batched shapes from 2 rows, as before.
+    A plan whose chunk before the last is partial never forms a group."""
+    default = BatchEngine(loaded, max_model_len=2048, max_batch=8).shapes
+    assert default.buckets == (32, 64, 128, 512)
+    assert default.prefill_groups == ((4, 32), (8, 32))
+    assert plan_chunks(41, default.buckets) == [(41, 64)] and default.group_buckets([(41, 64)]) is None
+    assert default.group_buckets([(20, 32)]) == (32,)
+    assert [default.prefill_group(n, (32,)) for n in range(1, 11)] == [None, None, None, 4, 8, 8, 8, 8, 8, 8]
+    given = BatchEngine(loaded, max_model_len=2048, max_batch=8, buckets=(32, 64, 128, 512)).shapes
+    assert {bucket for _, bucket in given.prefill_groups} == {32, 64, 128} and min(given.prefill_groups)[0] == 2
+    assert given.prefill_group(2, (32,)) == 2 and given.prefill_group(1, (32,)) is None
+    assert given.group_buckets([(96, 128), (4, 32)]) is None and given.group_buckets([(128, 128), (4, 32)]) == (128, 32)
 
 
 def test_a_step_reads_the_first_bound_that_holds_every_real_row():

@@ -29,8 +29,11 @@ def test_live_cpu_policy():
     assert line.startswith("gemmax device policy: platform=cpu kind=")
     assert "compute_dtype=bfloat16 weights=bfloat16 activations=float32 kv_cache=bfloat16" in line
     assert p.precision().activation == jnp.float32
-    # prefill chunks of at most 512 tokens on CPU (cheaper per token there than 2048: policy.py)
-    assert p.prefill_buckets == (32, 128, 512) and p.as_dict()["prefill_buckets"] == [32, 128, 512]
+    # prefill chunks of at most 512 tokens on CPU (cheaper per token there than 2048: policy.py), one of
+    # 64 for short prompts; batched prefill only of 4 or more prompts in one chunk of 32
+    assert p.prefill_buckets == (32, 64, 128, 512) and p.as_dict()["prefill_buckets"] == [32, 64, 128, 512]
+    assert (p.prefill_group_buckets, p.prefill_group_rows) == ((32,), 4)
+    assert p.as_dict()["prefill_group_buckets"] == [32] and p.as_dict()["prefill_group_rows"] == 4
 
 
 def test_gpu_rules_by_compute_capability():

@@ -8,6 +8,8 @@ shared over partial blocks, single blocks and whole prompts, under a budget that
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -68,13 +70,32 @@ def test_block_keys_name_the_whole_prefix_and_its_salt():
     assert not set(block_keys(a, BLOCK, "t1")) & set(ka) and not set(block_keys(a, BLOCK, "t1")) & set(block_keys(a, BLOCK, "t2"))
 
 
-def test_cached_chunks_end_on_block_boundaries_within_the_ring():
-    # ring 512, the default buckets: chunks of at most 512 up to the last block boundary, then the tail
-    for start in (0, 96, 1024):
-        plan = plan_cached_chunks(start, 1500, 32, (32, 128, 512, 2048), 512)
-        ends = np.cumsum([start] + [real for real, _ in plan])
-        assert ends[-1] == 1500 and ends[-2] == 1472 and all(e % 32 == 0 for e in ends[:-1])
-        assert all(real <= 512 and bucket in (32, 128, 512) for real, bucket in plan)
+def test_cached_chunks_keep_every_block_they_complete():
+    """Every planned chunk starts on a block boundary, every one but the last is full (a batched
+    prefill starts a chunk at the same position in every prompt: with 96 real tokens in a 128 chunk
+    before a 4-token one, two such prompts failed their batched prefill), and once a chunk is written
+    each block it completes still has its kept positions in the ring (the store's own rule,
+    `PrefixCache._saves_sliding`).
+    A ring that holds a block takes the tail in the last chunk (41 tokens: one chunk of 64, not
+    32 + 9); with a ring shorter than a block, chunks end on block boundaries and the tail is alone."""
+    buckets = (32, 64, 128, 512, 2048)
+    for ring in (512, 100, 64, 32, 16):
+        rule = types.SimpleNamespace(block=32, rings=(ring,))
+        for length in range(1, 1600, 13):
+            for start in range(0, length, 96):
+                plan = plan_cached_chunks(start, length, 32, buckets, ring)
+                written = start
+                assert all(real == bucket for real, bucket in plan[:-1]), (ring, length, start, plan)  # as batched prefill needs
+                for real, bucket in plan:
+                    assert written % 32 == 0 and 0 < real <= bucket and bucket in buckets, (ring, length, start, plan)
+                    for index in range(written // 32, (written + real) // 32):
+                        assert PrefixCache._saves_sliding(rule, index, written + real), (ring, length, start, plan)
+                    written += real
+                assert written == length
+    assert plan_cached_chunks(0, 41, 32, buckets, 512) == [(41, 64)]
+    assert plan_cached_chunks(0, 100, 32, buckets, 512) == [(100, 128)]
+    assert plan_cached_chunks(0, 1500, 32, buckets, 512) == [(512, 512), (512, 512), (476, 512)]
+    assert plan_cached_chunks(0, 41, 32, buckets, 16) == [(32, 32), (9, 32)]
     assert plan_cached_chunks(64, 64 + 5, BLOCK, (BLOCK, 32), 4) == [(5, 8)]
 
 

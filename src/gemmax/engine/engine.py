@@ -10,8 +10,9 @@ on disk as executables that the next start loads (gemmax.engine.executables):
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
     prefill_rows[g]   tokens [g, bucket] into g slots: g whole prompts of one bucket, each from
                       position 0, in one forward (rows x bucket within the largest bucket; g a
-                      decode group size >= 2; `ShapePlan.prefill_groups`): requests that arrive
-                      together are prefilled together, reading the weights once, not g times
+                      decode group size >= 2, >= 4 of the 32 bucket only with the CPU policy's
+                      buckets; `ShapePlan.prefill_groups`): requests that arrive together are
+                      prefilled together, reading the weights once, not g times
     prefix copies     with prefix caching on (`prefix_cache_bytes`), a cached prefix is copied into
                       the slot before the rest of the prompt is prefilled (gemmax.engine.prefix_cache:
                       per block-count bucket, compiled at warm-up, not run there)
@@ -229,8 +230,10 @@ class BatchEngine:
         self._max_model_len = max_model_len
         self.max_batch = max_batch
         # Batched prefill (several whole prompts in one forward) runs on one device, rows not invariant.
-        self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or loaded.policy.prefill_buckets,
-                                       batched_prefill=mesh is None and not batch_invariant)
+        self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or policy.prefill_buckets,
+                                       batched_prefill=mesh is None and not batch_invariant,
+                                       group_buckets=None if buckets else policy.prefill_group_buckets,
+                                       group_rows=2 if buckets else policy.prefill_group_rows)
         # The draft model (None: none): its own cache, one row per slot, in the same shapes.
         self.drafter: Drafter | None = None
         if draft is not None:
@@ -875,8 +878,7 @@ class BatchEngine:
             else:
                 groups.setdefault(buckets, []).append(entry)
         for buckets, entries in groups.items():
-            while len(entries) > 1:
-                size = self.shapes.prefill_group(len(entries), buckets)
+            while (size := self.shapes.prefill_group(len(entries), buckets)) is not None:
                 units.append((buckets, entries[:size]))
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]

@@ -41,8 +41,20 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # Prefill chunk lengths the engine compiles (engine.plan_chunks splits a prompt into them). On CPU a
 # 2048-token chunk costs more per token than four of 512: a 2057-token prompt of the E2B-shaped model
 # prefilled in 4.0 s as 2048 + 32 and in 3.1 s as 4 x 512 + 32 (same engine, interleaved runs).
+# On CPU a 64-token chunk too: a 41-token prompt of the built-in model took 87-91 ms as 32 + 9 in two
+# chunks and 71.5-74 ms as one of 64 (engine alone, medians of two runs each alternated, serve's shapes;
+# benchmarks/results/bucket-64-2026-12-05.txt).
 PREFILL_BUCKETS = (32, 128, 512, 2048)
-CPU_PREFILL_BUCKETS = (32, 128, 512)
+CPU_PREFILL_BUCKETS = (32, 64, 128, 512)
+# Batched prefill shapes (several prompts in one forward) on CPU: 4 or more prompts of one 32-token chunk
+# only. From 64 rows the GEMMs run near their peak alone, so batching saves little, and each batched
+# shape costs every start about a second (its load and first run). Bursts of prompts into the engine,
+# built-in model (last first token / mean TTFT; benchmarks/results/bucket-64-2026-12-05.txt): eight
+# 41-token ones 506-516 / 502-512 ms as two batched chunks of 8 x 32, 530-551 / 297-312 ms one at a
+# time in a chunk of 64; four 100-token ones 438 / 436 ms as a batch of 4 x 128, 446-482 / 282-295 ms
+# one at a time; two 20-token ones 86-88 / 86-87 ms as a batch of 2, 92-95 / 70-72 ms one at a time.
+CPU_PREFILL_GROUP_BUCKETS = (32,)
+CPU_PREFILL_GROUP_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,8 @@ class DevicePolicy:
     warning: str | None = None  # set when the override (or the installed XLA) picks a slow path
     quant: Any = None  # gemmax.quant.QuantOptions in use (kernels resolved); set by runtime.load_model
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS  # the engine's default prefill chunk lengths
+    prefill_group_buckets: tuple[int, ...] | None = None  # those with batched prefill shapes (None: all)
+    prefill_group_rows: int = 2  # the fewest prompts a batched prefill shape takes
 
     @property
     def pre_ampere(self) -> bool:
@@ -93,7 +107,8 @@ class DevicePolicy:
         return line
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "pre_ampere": self.pre_ampere, "prefill_buckets": list(self.prefill_buckets)}
+        return {**dataclasses.asdict(self), "pre_ampere": self.pre_ampere, "prefill_buckets": list(self.prefill_buckets),
+                "prefill_group_buckets": None if self.prefill_group_buckets is None else list(self.prefill_group_buckets)}
 
     def observed(self, params: Any, kv_cache: KVCache | None = None) -> DevicePolicy:
         """This policy with `weights` / `kv_cache` read from the arrays actually loaded (matrix leaves;
@@ -221,6 +236,8 @@ def choose_policy(
         override=override,
         warning=warning,
         prefill_buckets=CPU_PREFILL_BUCKETS if platform == "cpu" else PREFILL_BUCKETS,
+        prefill_group_buckets=CPU_PREFILL_GROUP_BUCKETS if platform == "cpu" else None,
+        prefill_group_rows=CPU_PREFILL_GROUP_ROWS if platform == "cpu" else 2,
     )
 
 

@@ -2,12 +2,11 @@
 any later request whose prompt starts with the same blocks (vLLM's automatic prefix caching, adapted
 to gemmax's slot cache, which keeps one contiguous row per request instead of pages).
 
-Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: chunk
-boundaries then fall on block boundaries, so the ring of a sliding layer holds whole blocks when a
-chunk ends, and the tail after the last full block is one chunk of the smallest bucket). Block i is
-keyed by sha256(key of block i - 1, its tokens), the chain starting from the request's `cache_salt`:
-a key names the whole prefix up to and including its block, and two tenants with different salts
-never share one. Only full blocks are cached. sha256 rather than Python's `hash`: a collision would
+Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: every
+chunk but a prompt's last is a whole number of blocks, so every chunk starts on a block boundary).
+Block i is keyed by sha256(key of block i - 1, its tokens), the chain starting from the request's
+`cache_salt`: a key names the whole prefix up to and including its block, and two tenants with
+different salts never share one. Only full blocks are cached. sha256 rather than Python's `hash`: a collision would
 hand one prompt another's KV, and a tenant could search for one.
 
 The store (`pool`) is a `KVCache` of `capacity` entries allocated once on the device, one entry per
@@ -25,10 +24,9 @@ What a hit of m blocks (n = m * block tokens) needs, and where it goes in the sl
 A sliding layer's part of a block can only be saved while the ring still holds it: it is taken right
 after the prefill chunk that completes the block, when the ring holds the last S positions written
 (`store`). Prefill with the cache on therefore uses chunks no longer than the ring where a bucket
-allows and ends a chunk at the prompt's last block boundary (`plan_cached_chunks`), so every block,
-the last full one included, can keep its sliding part. A lookup takes the longest chain of cached
-blocks whose needed sliding parts are all present, and always leaves at least one prompt token to
-prefill (its logits give the first generated token).
+allows (`plan_cached_chunks`), so every block, the last full one included, can keep its sliding
+part. A lookup takes the longest chain of cached blocks whose needed sliding parts are all present,
+and always leaves at least one prompt token to prefill (its logits give the first generated token).
 
 Compiled shapes: the copies have one shape per block-count bucket (powers of 4: a store of up to
 the blocks a prompt can complete, a load of up to max_len / block), declared like the engine's
@@ -73,13 +71,18 @@ def block_keys(tokens, block: int, salt: str | None = None) -> list[bytes]:
 
 def plan_cached_chunks(start: int, prompt_len: int, block: int, buckets: tuple[int, ...],
                        ring: int | None) -> list[tuple[int, int]]:
-    """[(real tokens, bucket)] prefilling positions start .. prompt_len - 1 (`start` a block boundary):
-    up to the last block boundary in chunks no longer than the smallest sliding ring `ring` (when a
-    bucket is that small; else the smallest bucket), then the tail in its own chunk, so that each
-    chunk ends on a block boundary with the ring still holding what it must save (module docstring)."""
+    """[(real tokens, bucket)] prefilling positions start .. prompt_len - 1 (`start` a block boundary),
+    each chunk starting on a block boundary with the ring still holding what it must save (module
+    docstring). When the smallest sliding ring `ring` holds a block, `plan_chunks` over the buckets
+    no longer than it: a chunk of at most `ring` tokens that starts on a block boundary leaves the ring
+    holding the kept positions of every block it completes, so the tail may share the last chunk (a
+    41-token prompt is one chunk of 64, not 32 + 9 in two). Else chunks of the smallest bucket end on
+    block boundaries, and the tail after the last one is a chunk of its own."""
+    within = tuple(b for b in buckets if ring is None or b <= ring)
+    if within:
+        return plan_chunks(prompt_len - start, within)
     aligned = max(prompt_len // block * block, start)
-    within = tuple(b for b in buckets if ring is None or b <= ring) or buckets[:1]
-    plan = plan_chunks(aligned - start, within) if aligned > start else []
+    plan = plan_chunks(aligned - start, buckets[:1]) if aligned > start else []
     return plan + (plan_chunks(prompt_len - aligned, buckets) if prompt_len > aligned else [])
 
 

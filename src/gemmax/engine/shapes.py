@@ -45,15 +45,17 @@ def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(chunks for _, chunks in best)
 
 
-def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], group_kv: int) -> tuple[tuple[int, int], ...]:
+def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], group_kv: int,
+                   grouped: tuple[int, ...] | None = None, min_rows: int = 2) -> tuple[tuple[int, int], ...]:
     """(rows, bucket) of the batched prefill shapes: one chunk of several prompts in one forward
-    (steps.prefill_rows), for every decode group size of 2 rows or more whose rows x bucket tokens
-    fit in the largest bucket (the token budget one prefill chunk has, so a batched chunk takes no
-    more activation memory than the largest chunk, and no longer than it), and every bucket whose
-    chunks can end within `group_kv` (the smallest KV bound: the one KV bound they are compiled for)."""
+    (steps.prefill_rows), for every decode group size of `min_rows` rows or more whose rows x bucket
+    tokens fit in the largest bucket (the token budget one prefill chunk has, so a batched chunk
+    takes no more activation memory than the largest chunk, and no longer than it), and every bucket
+    of `grouped` (None: every bucket) whose chunks can end within `group_kv` (the smallest KV bound:
+    the one KV bound they are compiled for)."""
     budget = buckets[-1]
-    return tuple((rows, bucket) for bucket in buckets if bucket <= group_kv
-                 for rows in decode_groups if rows >= 2 and rows * bucket <= budget)
+    return tuple((rows, bucket) for bucket in buckets if bucket <= group_kv and (grouped is None or bucket in grouped)
+                 for rows in decode_groups if rows >= max(2, min_rows) and rows * bucket <= budget)
 
 
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -82,12 +84,16 @@ class ShapePlan:
     prefill_groups: tuple[tuple[int, int], ...] = ()  # (rows, bucket) of batched prefills (`prefill_groups`)
 
     @classmethod
-    def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...], batched_prefill: bool = True) -> ShapePlan:
+    def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...], batched_prefill: bool = True,
+               group_buckets: tuple[int, ...] | None = None, group_rows: int = 2) -> ShapePlan:
+        """`group_buckets`: the buckets with batched prefill shapes (None: every one); `group_rows`: the
+        fewest prompts such a shape takes."""
         fitting = prefill_buckets(max_model_len, buckets)
         decode_groups = tuple(g for g in GROUP_SIZES if g < slots) + (slots,)
         return cls(max_model_len=max_model_len, slots=slots, buckets=fitting, decode_groups=decode_groups,
                    kv_buckets=kv_buckets(max_model_len),
-                   prefill_groups=prefill_groups(fitting, decode_groups, kv_buckets(max_model_len)[0])
+                   prefill_groups=prefill_groups(fitting, decode_groups, kv_buckets(max_model_len)[0], group_buckets,
+                                                 group_rows)
                    if batched_prefill else ())
 
     def kv_bound(self, tokens: int) -> int:
@@ -117,21 +123,25 @@ class ShapePlan:
     def group_buckets(self, chunks: list[tuple[int, int]]) -> tuple[int, ...] | None:
         """The bucket of each chunk of a prompt's plan (`plan_chunks`) when a batched prefill can take
         it, chunk by chunk with prompts of the same plan: every chunk has a group shape and ends
-        within `group_kv`. None: it prefills alone."""
+        within `group_kv`, and every chunk but the last is full (the batched forward starts a chunk
+        at the same position in every prompt). None: it prefills alone."""
         have = {bucket for _, bucket in self.prefill_groups}
         start = 0
-        for real, bucket in chunks:
-            if bucket not in have or start + bucket > self.group_kv:
+        for index, (real, bucket) in enumerate(chunks):
+            if bucket not in have or start + bucket > self.group_kv or (real < bucket and index < len(chunks) - 1):
                 return None
             start += real
         return tuple(bucket for _, bucket in chunks)
 
-    def prefill_group(self, prompts: int, buckets: tuple[int, ...]) -> int:
-        """Rows of the batched shapes that take `prompts` (>= 2) prompts whose chunks have `buckets`:
-        the smallest group size compiled for every one of those buckets that holds them all, else the
-        largest (the rest go in a next group)."""
+    def prefill_group(self, prompts: int, buckets: tuple[int, ...]) -> int | None:
+        """Rows of the batched shapes that take `prompts` prompts whose chunks have `buckets`: the
+        smallest group size compiled for every one of those buckets that holds them all, else the
+        largest (the rest go in a next group); None when they are fewer than the smallest (they
+        prefill one at a time: its idle rows would cost more than the prompts share)."""
         sizes = sorted(set.intersection(*({rows for rows, b in self.prefill_groups if b == bucket}
                                           for bucket in buckets)))
+        if prompts < sizes[0]:
+            return None
         return next((rows for rows in sizes if rows >= prompts), sizes[-1])
 
     @property
