@@ -338,8 +338,8 @@ def serve(
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming.
 
     Start-up of the built-in model on a 2-core CPU (README "Start-up"): 65-85 s with an empty
-    compile cache (25 programs compiled; 81.8 s in the latest run), 15-20 s with a warm one (loaded,
-    not compiled; 17.2 s); each program then runs before ready (a prefill chunk's below the largest
+    compile cache (23 programs compiled; 64.8 s in the latest run), 15-20 s with a warm one (loaded,
+    not compiled; 15.9 s); each program then runs before ready (a prefill chunk's below the largest
     bucket at each past it can read), so a shape's first request does not pay XLA's first-run set-up."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):
