@@ -338,6 +338,7 @@ def test_prefill_profile_reports_flops_and_the_compute_peak(wide_checkpoint, tmp
     assert result.exit_code == 0, result.output
     report = load(tmp_path / "p" / "profile.json")
     assert report["step"] == "prefill" and report["context"] == 0
+    assert report["kv_bounds"] == [16]  # the engine's bounds: at context 0 the chunk reads no past
     _shares_add_up(report)
     p = report["prefill"]
     assert p["flops_per_chunk"] > 2 * 16 * WIDE["vocab_size"] * WIDE["hidden_size"]  # the head alone

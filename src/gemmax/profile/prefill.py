@@ -82,16 +82,19 @@ def gemm_rates(config: ModelConfig, tokens: int, dtype: Any) -> list[GemmRate]:
     return [gemm_rate(tokens, h, i, dtype), gemm_rate(tokens, i, h, dtype), gemm_rate(SQUARE, SQUARE, SQUARE, dtype)]
 
 
-def prefill_executable(params: Params, config: ModelConfig, tokens: int, context: int, precision: Precision):
+def prefill_executable(params: Params, config: ModelConfig, tokens: int, context: int, precision: Precision,
+                       kv_len: tuple[int, ...]):
     """The compiled `prefill_step` of one chunk [1, tokens] (all real) into slot 0 after `context`
     cached tokens, as the prompt's last chunk, the function that runs it n times back to back (each
-    run rewrites the same positions, so every run does the same work) and its FLOPs (`dot_flops`)."""
+    run rewrites the same positions, so every run does the same work) and its FLOPs (`dot_flops`).
+    `kv_len`: the KV bounds, as the engine compiles its chunks (`shapes.kv_buckets`), so the chunk
+    reads the past the engine's would: none at context 0, else the first bound that holds it."""
     device = init_device_state(config, 1, context + tokens, precision)
     ids = jnp.full((1, tokens), config.bos_token_id, jnp.int32)
     args = (ids, jnp.int32(0), jnp.int32(context), jnp.int32(tokens), jnp.bool_(True))
-    compiled = prefill_step.lower(params, device, *args, config=config, precision=precision).compile()
-    flops = dot_flops(jax.make_jaxpr(functools.partial(prefill_step, config=config, precision=precision))(
-        params, device, *args))
+    statics = {"config": config, "precision": precision, "kv_len": kv_len}
+    compiled = prefill_step.lower(params, device, *args, **statics).compile()
+    flops = dot_flops(jax.make_jaxpr(functools.partial(prefill_step, **statics))(params, device, *args))
     state = {"device": device}
 
     def run(n: int) -> None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from gemmax.engine.api import SPEC_KS
 from gemmax.engine.memory import decode_traffic
 from gemmax.engine.policy import DevicePolicy
+from gemmax.engine.shapes import kv_buckets
 from gemmax.engine.steps import decode_step, init_device_state
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision
@@ -247,13 +248,17 @@ def profile_prefill(params: Params, config: ModelConfig, policy: DevicePolicy, *
     precision = precision or policy.precision()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    compiled, run, flops = prefill_executable(params, config, tokens, context, precision)
+    # The engine's KV bounds for a cache of exactly context + tokens: at context 0 the chunk reads no
+    # past, as a prompt's first chunk does; past it, the first bound that holds the context (at most
+    # the one an engine with a longer max_model_len reads).
+    bounds = kv_buckets(context + tokens)
+    compiled, run, flops = prefill_executable(params, config, tokens, context, precision, bounds)
     host_step, times, xplane, report = _measure(compiled, run, steps, warmup, out_dir)
     rates = gemm_rates(config, tokens, jnp.dtype(policy.compute_dtype))
     report.update({
         **_identity(params, policy, precision, model),
         "step": "prefill",
-        "batch": 1, "context": context, "steps": steps, "warmup": warmup,
+        "batch": 1, "context": context, "kv_bounds": list(bounds), "steps": steps, "warmup": warmup,
         "traced_steps_seen": times.steps,
         "device_ms_per_step": times.total_ns / 1e6,
         "trace_step_ms": times.step_span_ns / 1e6,
