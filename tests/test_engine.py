@@ -452,7 +452,7 @@ def test_warm_up_starts_a_chunk_at_every_past_it_can_read():
 
 def test_cpu_default_shapes_batch_only_four_or_more_prompts_of_one_short_chunk(loaded):
     """With the CPU policy's buckets only 4 or more prompts of one 32-token chunk prefill batched
-    (`policy.CPU_PREFILL_GROUP_BUCKETS`, `CPU_PREFILL_GROUP_ROWS`): a 41-token prompt is one chunk of
+    (`policy.CPU_PREFILL_BATCHED_BUCKETS`, `CPU_PREFILL_BATCHED_MIN_ROWS`): a 41-token prompt is one chunk of
     64 and never waits for a group, and 2 or 3 prompts prefill one at a time instead of taking a
     shape of 4 with idle rows. Buckets given explicitly all get batched shapes from 2 rows, as before.
     A plan whose chunk before the last is partial never forms a group."""

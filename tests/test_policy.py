@@ -32,8 +32,8 @@ def test_live_cpu_policy():
     # prefill chunks of at most 512 tokens on CPU (cheaper per token there than 2048: policy.py), one of
     # 64 for short prompts; batched prefill only of 4 or more prompts in one chunk of 32
     assert p.prefill_buckets == (32, 64, 128, 512) and p.as_dict()["prefill_buckets"] == [32, 64, 128, 512]
-    assert (p.prefill_group_buckets, p.prefill_group_rows) == ((32,), 4)
-    assert p.as_dict()["prefill_group_buckets"] == [32] and p.as_dict()["prefill_group_rows"] == 4
+    assert (p.prefill_batched_buckets, p.prefill_batched_min_rows) == ((32,), 4)
+    assert p.as_dict()["prefill_batched_buckets"] == [32] and p.as_dict()["prefill_batched_min_rows"] == 4
 
 
 def test_gpu_rules_by_compute_capability():

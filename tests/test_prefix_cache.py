@@ -8,6 +8,7 @@ shared over partial blocks, single blocks and whole prompts, under a budget that
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from gemmax.engine.api import GenerationRequest, InvalidRequest
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.loading import load_model
+from gemmax.engine.policy import CPU_PREFILL_BUCKETS, PREFILL_BUCKETS
 from gemmax.engine.prefix_cache import PrefixCache, block_keys, plan_cached_chunks
 from gemmax.engine.shapes import ShapePlan
 
@@ -30,6 +32,24 @@ def engine(hf_checkpoints):
                       prefix_cache_bytes=1 << 20).start()
     assert eng.wait_ready(300)
     assert eng.prefix_cache.block == BLOCK and eng.prefix_cache.ring == 4
+    yield eng
+    eng.shutdown(drain_timeout=5)
+
+
+@pytest.fixture(scope="module")
+def wide_engine(hf_checkpoints):
+    """The same tiny config with its sliding windows widened to 32: rings that hold a block, so a
+    prompt's tail shares its last chunk (`plan_cached_chunks`). Buckets 8, 32 and 64, so that two
+    prompts of one 32-token chunk have a batched shape (2 x 32 within the largest bucket)."""
+    loaded = load_model(str(hf_checkpoints["g4_shared"][0]), "float32")
+    config = loaded.checkpoint.config
+    wide = dataclasses.replace(config, layers=tuple(
+        dataclasses.replace(spec, sliding_window=32) if spec.sliding_window else spec for spec in config.layers))
+    loaded = dataclasses.replace(loaded, checkpoint=dataclasses.replace(loaded.checkpoint, config=wide))
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=2, buckets=(BLOCK, 32, 64), steps_per_dispatch=3,
+                      prefix_cache_bytes=1 << 20).start()
+    assert eng.wait_ready(300)
+    assert eng.prefix_cache.ring == 32 and (2, 32) in eng.shapes.prefill_groups
     yield eng
     eng.shutdown(drain_timeout=5)
 
@@ -79,8 +99,8 @@ def test_cached_chunks_keep_every_block_they_complete():
     A ring that holds a block takes the tail in the last chunk (41 tokens: one chunk of 64, not
     32 + 9); with a ring shorter than a block, chunks end on block boundaries and the tail is alone."""
     buckets = (32, 64, 128, 512, 2048)
-    for ring in (512, 100, 64, 32, 16):
-        rule = types.SimpleNamespace(block=32, rings=(ring,))
+    for ring in (None, 512, 100, 64, 32, 16):
+        rule = types.SimpleNamespace(block=32, rings=() if ring is None else (ring,))
         for length in range(1, 1600, 13):
             for start in range(0, length, 96):
                 plan = plan_cached_chunks(start, length, 32, buckets, ring)
@@ -103,12 +123,13 @@ def test_cached_chunk_plans_need_only_warmed_prefill_shapes():
     """Every chunk a cached prefill can run (any cached block count, any prompt length) is of a
     bucket the warm-up compiles for plain prefill (one program per bucket, for every start): a hit
     never pays a prefill compilation."""
-    plan = ShapePlan.create(2048, 1, (32, 128, 512))
-    for length in range(1, 2048, 7):
-        for start in range(0, length, 32):
-            chunks = plan_cached_chunks(start, length, 32, plan.buckets, 512)
-            assert sum(real for real, _ in chunks) == length - start
-            assert all(0 < real <= bucket and bucket in plan.buckets for real, bucket in chunks), (length, start)
+    for buckets, ring in ((CPU_PREFILL_BUCKETS, 512), (PREFILL_BUCKETS, 512), (PREFILL_BUCKETS, None)):
+        plan = ShapePlan.create(2048, 1, buckets)
+        for length in range(1, 2048, 7):
+            for start in range(0, length, 32):
+                chunks = plan_cached_chunks(start, length, 32, plan.buckets, ring)
+                assert sum(real for real, _ in chunks) == length - start
+                assert all(0 < real <= bucket and bucket in plan.buckets for real, bucket in chunks), (length, start)
 
 
 def test_cached_prefixes_decode_exactly_like_a_fresh_prefill(engine):
@@ -191,4 +212,28 @@ def test_blocks_of_prompts_prefilled_together_are_cached(engine):
     assert [h.wait().timings.prefill_batch for h in handles] == [2, 2]
     got = _results(engine, [_request(longer, 6)])[0]
     assert got[0].cached_tokens == BLOCK
+    _same(got, fresh)
+
+
+def test_a_tail_in_its_last_chunk_is_batched_cached_and_exact(wide_engine):
+    """Rings of 32, blocks of 8: a 27-token prompt prefills as one chunk of 32 (24 + its 3-token tail),
+    where the old plan, 24 in a chunk of 32 and then 3 in one of 8, made two such prompts queued
+    together fail their batched prefill. Two of them queued together now prefill in one forward and
+    decode exactly as alone; a prompt that starts with one of them copies its 3 blocks (whose ring
+    parts the chunk kept) and decodes exactly as a fresh prefill."""
+    engine = wide_engine
+    assert engine.prefix_cache.plan(0, 27, engine.shapes.buckets) == [(27, 32)]
+    rng = np.random.default_rng(11)
+    a, b = _tokens(rng, 27), _tokens(rng, 27)
+    alone = [_results(engine, [_request(p, 6, salt=f"alone-{i}")])[0] for i, p in enumerate((a, b))]
+    with engine._lock:  # one admission sees both
+        handles = [engine.submit(_request(p, 6)) for p in (a, b)]
+    together = [([event.logprob for event in h], h) for h in handles]
+    for (logprobs, handle), want in zip(together, alone, strict=True):
+        assert handle.result.finish_reason == "length" and handle.result.timings.prefill_batch == 2
+        _same((handle.result, logprobs), want)
+    longer = a[:24] + _tokens(rng, 9)
+    fresh = _results(engine, [_request(longer, 6, salt="fresh")])[0]
+    got = _results(engine, [_request(longer, 6)])[0]
+    assert got[0].cached_tokens == 24
     _same(got, fresh)

@@ -232,8 +232,8 @@ class BatchEngine:
         # Batched prefill (several whole prompts in one forward) runs on one device, rows not invariant.
         self.shapes = ShapePlan.create(max_model_len, max_batch, buckets or policy.prefill_buckets,
                                        batched_prefill=mesh is None and not batch_invariant,
-                                       group_buckets=None if buckets else policy.prefill_group_buckets,
-                                       group_rows=2 if buckets else policy.prefill_group_rows)
+                                       batched_buckets=None if buckets else policy.prefill_batched_buckets,
+                                       batched_min_rows=None if buckets else policy.prefill_batched_min_rows)
         # The draft model (None: none): its own cache, one row per slot, in the same shapes.
         self.drafter: Drafter | None = None
         if draft is not None:
@@ -908,7 +908,7 @@ class BatchEngine:
 
     def _chunks(self, prompt_len: int, cached: int = 0) -> list[tuple[int, int]]:
         """The chunks that prefill a prompt after `cached` tokens copied from the prefix cache: with
-        prefix caching they end on block boundaries (gemmax.engine.prefix_cache), else `plan_chunks`."""
+        prefix caching they start on block boundaries (gemmax.engine.prefix_cache), else `plan_chunks`."""
         if self.prefix_cache is None:
             return plan_chunks(prompt_len, self.shapes.buckets)
         return self.prefix_cache.plan(cached, prompt_len, self.shapes.buckets)
@@ -1071,7 +1071,7 @@ class BatchEngine:
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
         cached prefix (`hit`) is first copied into the slot (`slot.cached_tokens`) and the chunks
-        start after it, ending on block boundaries (gemmax.engine.prefix_cache)."""
+        start after it, each on a block boundary (gemmax.engine.prefix_cache)."""
         if hit is not None and hit.blocks:
             cache, compiled = self.prefix_cache.load(self.device.cache, slot_index, hit)
             self.device = dataclasses.replace(self.device, cache=cache)

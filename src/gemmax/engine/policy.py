@@ -46,15 +46,18 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # benchmarks/results/bucket-64-2026-12-05.txt).
 PREFILL_BUCKETS = (32, 128, 512, 2048)
 CPU_PREFILL_BUCKETS = (32, 64, 128, 512)
-# Batched prefill shapes (several prompts in one forward) on CPU: 4 or more prompts of one 32-token chunk
-# only. From 64 rows the GEMMs run near their peak alone, so batching saves little, and each batched
-# shape costs every start about a second (its load and first run). Bursts of prompts into the engine,
-# built-in model (last first token / mean TTFT; benchmarks/results/bucket-64-2026-12-05.txt): eight
-# 41-token ones 506-516 / 502-512 ms as two batched chunks of 8 x 32, 530-551 / 297-312 ms one at a
-# time in a chunk of 64; four 100-token ones 438 / 436 ms as a batch of 4 x 128, 446-482 / 282-295 ms
-# one at a time; two 20-token ones 86-88 / 86-87 ms as a batch of 2, 92-95 / 70-72 ms one at a time.
-CPU_PREFILL_GROUP_BUCKETS = (32,)
-CPU_PREFILL_GROUP_ROWS = 4
+# Batched prefill shapes (several prompts in one forward) on CPU: 4 or more prompts of one 32-token
+# chunk only. Batching chunks of 64 or more tokens per prompt brought the last first token of a burst a
+# few percent earlier and every other one later (our reading: the GEMMs of such a chunk already run near
+# the CPU's peak alone), while dropping the 2 x 32, 2 x 128 and 4 x 128 shapes (and adding the 64 chunk
+# program) took the built-in model's warm-up from 10.6-10.9 to 9.0-9.1 s. Bursts into the engine (last
+# first token / mean TTFT; benchmarks/results/bucket-64-2026-12-05.txt): four 100-token prompts 438 /
+# 436 ms as a batch of 4 x 128, 446-482 / 282-295 ms one at a time; eight 41-token ones 506-516 /
+# 502-512 ms as two batches of 8 x 32, 530-551 / 297-312 ms one at a time in chunks of 64; two 20-token
+# ones 86-88 / 86-87 ms as a batch of 2, 92-95 / 70-72 ms one at a time. Three prompts now go one at a
+# time too (not measured).
+CPU_PREFILL_BATCHED_BUCKETS = (32,)
+CPU_PREFILL_BATCHED_MIN_ROWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +79,8 @@ class DevicePolicy:
     warning: str | None = None  # set when the override (or the installed XLA) picks a slow path
     quant: Any = None  # gemmax.quant.QuantOptions in use (kernels resolved); set by runtime.load_model
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS  # the engine's default prefill chunk lengths
-    prefill_group_buckets: tuple[int, ...] | None = None  # those with batched prefill shapes (None: all)
-    prefill_group_rows: int = 2  # the fewest prompts a batched prefill shape takes
+    prefill_batched_buckets: tuple[int, ...] | None = None  # those with batched prefill shapes (None: all)
+    prefill_batched_min_rows: int | None = None  # the fewest prompts of such a shape (None: shapes.MIN_BATCHED_ROWS)
 
     @property
     def pre_ampere(self) -> bool:
@@ -108,7 +111,7 @@ class DevicePolicy:
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "pre_ampere": self.pre_ampere, "prefill_buckets": list(self.prefill_buckets),
-                "prefill_group_buckets": None if self.prefill_group_buckets is None else list(self.prefill_group_buckets)}
+                "prefill_batched_buckets": None if self.prefill_batched_buckets is None else list(self.prefill_batched_buckets)}
 
     def observed(self, params: Any, kv_cache: KVCache | None = None) -> DevicePolicy:
         """This policy with `weights` / `kv_cache` read from the arrays actually loaded (matrix leaves;
@@ -236,8 +239,8 @@ def choose_policy(
         override=override,
         warning=warning,
         prefill_buckets=CPU_PREFILL_BUCKETS if platform == "cpu" else PREFILL_BUCKETS,
-        prefill_group_buckets=CPU_PREFILL_GROUP_BUCKETS if platform == "cpu" else None,
-        prefill_group_rows=CPU_PREFILL_GROUP_ROWS if platform == "cpu" else 2,
+        prefill_batched_buckets=CPU_PREFILL_BATCHED_BUCKETS if platform == "cpu" else None,
+        prefill_batched_min_rows=CPU_PREFILL_BATCHED_MIN_ROWS if platform == "cpu" else None,
     )
 
 

@@ -2,8 +2,9 @@
 any later request whose prompt starts with the same blocks (vLLM's automatic prefix caching, adapted
 to gemmax's slot cache, which keeps one contiguous row per request instead of pages).
 
-Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: every
-chunk but a prompt's last is a whole number of blocks, so every chunk starts on a block boundary).
+Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: with
+buckets that are multiples of it, as every default set is, every chunk but a prompt's last is whole
+blocks, so every chunk starts on a block boundary).
 Block i is keyed by sha256(key of block i - 1, its tokens), the chain starting from the request's
 `cache_salt`: a key names the whole prefix up to and including its block, and two tenants with
 different salts never share one. Only full blocks are cached. sha256 rather than Python's `hash`: a collision would
@@ -76,14 +77,15 @@ def plan_cached_chunks(start: int, prompt_len: int, block: int, buckets: tuple[i
     docstring). When the smallest sliding ring `ring` holds a block, `plan_chunks` over the buckets
     no longer than it: a chunk of at most `ring` tokens that starts on a block boundary leaves the ring
     holding the kept positions of every block it completes, so the tail may share the last chunk (a
-    41-token prompt is one chunk of 64, not 32 + 9 in two). Else chunks of the smallest bucket end on
-    block boundaries, and the tail after the last one is a chunk of its own."""
+    41-token prompt is one chunk of 64, not 32 + 9 in two). Else chunks of one block end on block
+    boundaries, and the tail after the last one is a chunk of its own. (`block` is the smallest
+    bucket; with buckets that are multiples of it, every chunk but the last is whole blocks.)"""
     within = tuple(b for b in buckets if ring is None or b <= ring)
     if within:
         return plan_chunks(prompt_len - start, within)
-    aligned = max(prompt_len // block * block, start)
-    plan = plan_chunks(aligned - start, buckets[:1]) if aligned > start else []
-    return plan + (plan_chunks(prompt_len - aligned, buckets) if prompt_len > aligned else [])
+    aligned = prompt_len // block * block
+    tail = [(prompt_len - aligned, block)] if prompt_len > aligned else []
+    return [(block, block)] * ((aligned - start) // block) + tail
 
 
 def _bucket(n: int) -> int:

@@ -45,17 +45,20 @@ def _tail_plans(buckets: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], 
     return tuple(chunks for _, chunks in best)
 
 
+MIN_BATCHED_ROWS = 2  # a batched prefill shape takes 2 prompts or more (a policy may ask more)
+
+
 def prefill_groups(buckets: tuple[int, ...], decode_groups: tuple[int, ...], group_kv: int,
-                   grouped: tuple[int, ...] | None = None, min_rows: int = 2) -> tuple[tuple[int, int], ...]:
+                   batched: tuple[int, ...] | None = None, min_rows: int | None = None) -> tuple[tuple[int, int], ...]:
     """(rows, bucket) of the batched prefill shapes: one chunk of several prompts in one forward
-    (steps.prefill_rows), for every decode group size of `min_rows` rows or more whose rows x bucket
-    tokens fit in the largest bucket (the token budget one prefill chunk has, so a batched chunk
-    takes no more activation memory than the largest chunk, and no longer than it), and every bucket
-    of `grouped` (None: every bucket) whose chunks can end within `group_kv` (the smallest KV bound:
-    the one KV bound they are compiled for)."""
-    budget = buckets[-1]
-    return tuple((rows, bucket) for bucket in buckets if bucket <= group_kv and (grouped is None or bucket in grouped)
-                 for rows in decode_groups if rows >= max(2, min_rows) and rows * bucket <= budget)
+    (steps.prefill_rows), for every decode group size of `min_rows` rows or more (None:
+    MIN_BATCHED_ROWS) whose rows x bucket tokens fit in the largest bucket (the token budget one
+    prefill chunk has, so a batched chunk takes no more activation memory than the largest chunk,
+    and no longer than it), and every bucket of `batched` (None: every bucket) whose chunks can end
+    within `group_kv` (the smallest KV bound: the one KV bound they are compiled for)."""
+    budget, least = buckets[-1], max(MIN_BATCHED_ROWS, min_rows or 0)
+    return tuple((rows, bucket) for bucket in buckets if bucket <= group_kv and (batched is None or bucket in batched)
+                 for rows in decode_groups if rows >= least and rows * bucket <= budget)
 
 
 def kv_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -85,15 +88,15 @@ class ShapePlan:
 
     @classmethod
     def create(cls, max_model_len: int, slots: int, buckets: tuple[int, ...], batched_prefill: bool = True,
-               group_buckets: tuple[int, ...] | None = None, group_rows: int = 2) -> ShapePlan:
-        """`group_buckets`: the buckets with batched prefill shapes (None: every one); `group_rows`: the
-        fewest prompts such a shape takes."""
+               batched_buckets: tuple[int, ...] | None = None, batched_min_rows: int | None = None) -> ShapePlan:
+        """`batched_buckets`: the buckets with batched prefill shapes (None: every one);
+        `batched_min_rows`: the fewest prompts such a shape takes (None: MIN_BATCHED_ROWS)."""
         fitting = prefill_buckets(max_model_len, buckets)
         decode_groups = tuple(g for g in GROUP_SIZES if g < slots) + (slots,)
         return cls(max_model_len=max_model_len, slots=slots, buckets=fitting, decode_groups=decode_groups,
                    kv_buckets=kv_buckets(max_model_len),
-                   prefill_groups=prefill_groups(fitting, decode_groups, kv_buckets(max_model_len)[0], group_buckets,
-                                                 group_rows)
+                   prefill_groups=prefill_groups(fitting, decode_groups, kv_buckets(max_model_len)[0], batched_buckets,
+                                                 batched_min_rows)
                    if batched_prefill else ())
 
     def kv_bound(self, tokens: int) -> int:
