@@ -47,15 +47,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 PREFILL_BUCKETS = (32, 128, 512, 2048)
 CPU_PREFILL_BUCKETS = (32, 64, 128, 512)
 # Batched prefill shapes (several prompts in one forward) on CPU: 4 or more prompts of one 32-token
-# chunk only. Batching chunks of 64 or more tokens per prompt brought the last first token of a burst a
-# few percent earlier and every other one later (our reading: the GEMMs of such a chunk already run near
-# the CPU's peak alone), while dropping the 2 x 32, 2 x 128 and 4 x 128 shapes (and adding the 64 chunk
-# program) took the built-in model's warm-up from 10.6-10.9 to 9.0-9.1 s. Bursts into the engine (last
-# first token / mean TTFT; benchmarks/results/bucket-64-2026-12-05.txt): four 100-token prompts 438 /
-# 436 ms as a batch of 4 x 128, 446-482 / 282-295 ms one at a time; eight 41-token ones 506-516 /
-# 502-512 ms as two batches of 8 x 32, 530-551 / 297-312 ms one at a time in chunks of 64; two 20-token
-# ones 86-88 / 86-87 ms as a batch of 2, 92-95 / 70-72 ms one at a time. Three prompts now go one at a
-# time too (not measured).
+# chunk only. Bursts into the engine, built-in model (last first token / mean TTFT;
+# benchmarks/results/bucket-64-2026-12-05.txt): four 100-token prompts 438 / 436 ms as one batch of 4 x
+# 128 (one run) and 446-482 / 282-295 ms one at a time; eight 41-token ones 506-516 / 502-512 ms as one
+# batch of 8 in two 8 x 32 chunks and 530-551 / 297-312 ms one at a time in chunks of 64; two 20-token
+# ones 86-88 / 86-87 ms as a batch of 2 and 92-95 / 70-72 ms one at a time. Our reading: a chunk of 128
+# tokens per prompt already runs its GEMMs near the CPU's peak alone. Dropping the 2 x 32, 2 x 128 and 4
+# x 128 shapes (and adding the 64 chunk program) took the warm-up from 10.6-10.9 to 9.0-10.1 s. Three
+# prompts now go one at a time too (not measured).
 CPU_PREFILL_BATCHED_BUCKETS = (32,)
 CPU_PREFILL_BATCHED_MIN_ROWS = 4
 
