@@ -4,7 +4,8 @@ starts with cached blocks gives exactly the tokens and logprobs of the same requ
 scratch through the same engine (a salt no other request uses: nothing to share), with prefixes
 shared over partial blocks, single blocks and whole prompts, under a budget that evicts, and
 `cached_tokens` is what the block arithmetic says. A copy that put one position in the wrong slot
-(full or ring) changes the logprobs of every later token, so the logprob check catches it."""
+(full or ring) changes the logprobs of every later token, so the logprob check catches it. A second
+engine widens the windows to 32, so that rings hold a block and a prompt's tail shares its last chunk."""
 
 from __future__ import annotations
 
@@ -217,9 +218,9 @@ def test_blocks_of_prompts_prefilled_together_are_cached(engine):
 
 def test_a_tail_in_its_last_chunk_is_batched_cached_and_exact(wide_engine):
     """Rings of 32, blocks of 8: a 27-token prompt prefills as one chunk of 32 (24 + its 3-token tail),
-    where the old plan, 24 in a chunk of 32 and then 3 in one of 8, made two such prompts queued
-    together fail their batched prefill. Two of them queued together now prefill in one forward and
-    decode exactly as alone; a prompt that starts with one of them copies its 3 blocks (whose ring
+    where the old plan was 24 in a chunk of 32 and then 3 in one of 8 (before d3c00f3 two such prompts
+    queued together failed their batched prefill; with `group_buckets`' guard they would prefill one
+    at a time). Two of them queued together now prefill in one forward and decode exactly as alone; a prompt that starts with one of them copies its 3 blocks (whose ring
     parts the chunk kept) and decodes exactly as a fresh prefill."""
     engine = wide_engine
     assert engine.prefix_cache.plan(0, 27, engine.shapes.buckets) == [(27, 32)]
