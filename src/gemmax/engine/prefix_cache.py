@@ -4,11 +4,11 @@ to gemmax's slot cache, which keeps one contiguous row per request instead of pa
 
 Blocks and keys. A prompt is cut into blocks of `block` tokens (the smallest prefill bucket: with
 buckets that are multiples of it, as every default set is, every chunk but a prompt's last is whole
-blocks, so every chunk starts on a block boundary).
-Block i is keyed by sha256(key of block i - 1, its tokens), the chain starting from the request's
-`cache_salt`: a key names the whole prefix up to and including its block, and two tenants with
-different salts never share one. Only full blocks are cached. sha256 rather than Python's `hash`: a collision would
-hand one prompt another's KV, and a tenant could search for one.
+blocks, so every chunk starts on a block boundary). Block i is keyed by sha256(key of block i - 1,
+its tokens), the chain starting from the request's `cache_salt`: a key names the whole prefix up to
+and including its block, and two tenants with different salts never share one. Only full blocks are
+cached. sha256 rather than Python's `hash`: a collision would hand one prompt another's KV, and a
+tenant could search for one.
 
 The store (`pool`) is a `KVCache` of `capacity` entries allocated once on the device, one entry per
 block: full layers keep the block's `block` positions; sliding layers keep its last min(block, ring)
