@@ -65,7 +65,11 @@ def _request(prompt, max_tokens, salt=None):
 
 def _results(engine, requests):
     """Submit all at once (they share the 3 slots); [(result, logprobs)] in order."""
-    handles = [engine.submit(r) for r in requests]
+    return _collected([engine.submit(r) for r in requests])
+
+
+def _collected(handles):
+    """[(result, logprobs)] of submitted requests, in order."""
     out = []
     for h in handles:
         logprobs = [event.logprob for event in h]
@@ -220,8 +224,9 @@ def test_a_tail_in_its_last_chunk_is_batched_cached_and_exact(wide_engine):
     """Rings of 32, blocks of 8: a 27-token prompt prefills as one chunk of 32 (24 + its 3-token tail),
     where the old plan was 24 in a chunk of 32 and then 3 in one of 8 (before d3c00f3 two such prompts
     queued together failed their batched prefill; with `group_buckets`' guard they would prefill one
-    at a time). Two of them queued together now prefill in one forward and decode exactly as alone; a prompt that starts with one of them copies its 3 blocks (whose ring
-    parts the chunk kept) and decodes exactly as a fresh prefill."""
+    at a time). Two of them queued together now prefill in one forward and decode exactly as alone;
+    a prompt that starts with one of them copies its 3 blocks (whose ring parts the chunk kept) and
+    decodes exactly as a fresh prefill."""
     engine = wide_engine
     assert engine.prefix_cache.plan(0, 27, engine.shapes.buckets) == [(27, 32)]
     rng = np.random.default_rng(11)
@@ -229,10 +234,9 @@ def test_a_tail_in_its_last_chunk_is_batched_cached_and_exact(wide_engine):
     alone = [_results(engine, [_request(p, 6, salt=f"alone-{i}")])[0] for i, p in enumerate((a, b))]
     with engine._lock:  # one admission sees both
         handles = [engine.submit(_request(p, 6)) for p in (a, b)]
-    together = [([event.logprob for event in h], h) for h in handles]
-    for (logprobs, handle), want in zip(together, alone, strict=True):
-        assert handle.result.finish_reason == "length" and handle.result.timings.prefill_batch == 2
-        _same((handle.result, logprobs), want)
+    for got, want in zip(_collected(handles), alone, strict=True):
+        assert got[0].finish_reason == "length" and got[0].timings.prefill_batch == 2
+        _same(got, want)
     longer = a[:24] + _tokens(rng, 9)
     fresh = _results(engine, [_request(longer, 6, salt="fresh")])[0]
     got = _results(engine, [_request(longer, 6)])[0]
