@@ -9,6 +9,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 PINS ?=  # e.g. "jax==0.10.2 jaxlib==0.10.2": CI pins the oldest supported jax
 PY_NEWEST ?= python3.13
+TEST_WORKERS ?= 2
 SMOKE_VENV ?= .venv-smoke
 SMOKE_TESTS = tests/test_policy.py \
 	tests/test_fastpath.py::test_gemv_fusion_limit_is_where_we_split \
@@ -35,8 +36,11 @@ lint: install-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
 
+# Two workers, one module each at a time (a module's fixtures are built once), then the modules that
+# time a stream to the millisecond alone (README, "Tests")
 test: install-test lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not wire_timing"
+	$(BIN)/python -m pytest -q -m wire_timing
 
 smoke:
 	rm -rf $(SMOKE_VENV)

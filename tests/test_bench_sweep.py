@@ -14,6 +14,10 @@ from gemmax.bench.metrics import tick_of
 from gemmax.bench.prompts import FIRST_ID, NONCE_IDS
 from gemmax.bench.sweep import Sweep, SweepConfig, parse_sampling
 
+# Timed to the millisecond against scripted delays: `make test` runs this module alone, not beside a
+# worker that compiles on both cores (pyproject.toml's markers).
+pytestmark = pytest.mark.wire_timing
+
 
 @pytest.fixture(scope="module")
 def bpe():

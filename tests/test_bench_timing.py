@@ -14,6 +14,10 @@ from gemmax.bench.timing import RequestRecord, stream_request
 
 TOL = 2e-3  # seconds
 
+# Timed to the millisecond against scripted delays: `make test` runs this module alone, not beside a
+# worker that compiles on both cores (pyproject.toml's markers).
+pytestmark = pytest.mark.wire_timing
+
 
 def payload(max_tokens: int) -> dict:
     return {"model": "fake-model", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
