@@ -13,18 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_reference import GEMMA3_CONFIGS, GEMMA4_CONFIGS, build_gemma3, build_gemma4  # noqa: E402
 
-# The modules that take longest (seconds in a serial run's `--durations`, 2026-12-05: speculative 142,
-# structured 131, engine 128, mesh 110, device_check 83, executables 78, model_parity 75, mtp 75),
-# collected first: `make test`'s two workers take one module at a time in collection order, and a long
-# module started last ran alone for its last minutes.
-LONGEST_FIRST = ("test_speculative", "test_structured", "test_engine", "test_mesh", "test_device_check",
-                 "test_executables", "test_model_parity", "test_mtp")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module's own order kept
-
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
