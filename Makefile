@@ -37,7 +37,7 @@ lint: install-test
 	$(BIN)/lint-imports
 
 # Two workers, one module each at a time (a module's fixtures are built once), then the modules that
-# time a stream to the millisecond alone (README, "Tests")
+# time a stream to the millisecond alone (README, "Development")
 test: install-test lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not wire_timing"
 	$(BIN)/python -m pytest -q -m wire_timing

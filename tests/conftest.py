@@ -37,11 +37,12 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_compile_cache_for_the_session(tmp_path_factory):
-    """One persistent compilation cache for the whole run, empty when it starts: every engine warm-up
-    (in this process or in a `gemmax` subprocess, which inherits the environment) reads and writes it,
-    so a program compiled by an earlier module or process (the same model, dtype and shapes) is loaded
-    instead of compiled again, and nothing is written into the user's own cache. Tests about the cache
-    itself give their own directory."""
+    """One persistent compilation cache for the whole run of each test process (each pytest-xdist
+    worker has its own), empty when it starts: every engine warm-up (in this process or in a `gemmax`
+    subprocess, which inherits the environment) reads and writes it, so a program compiled by an
+    earlier module or process of the same worker (the same model, dtype and shapes) is loaded instead
+    of compiled again, and nothing is written into the user's own cache. Tests about the cache itself
+    give their own directory."""
     previous = os.environ.get("GEMMAX_COMPILE_CACHE")
     os.environ["GEMMAX_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("gemmax-cache"))
     yield

@@ -20,6 +20,10 @@ from gemmax.bench.sweep import Sweep, SweepConfig
 from gemmax.rigs.transformers_server import HFGenerator, create_app
 from hf_reference import build_gemma4
 
+# A streamed reply's span on the wire is checked against the server's own decode time: `make test`
+# runs this module alone, not beside a worker that compiles on both cores (pyproject.toml's markers).
+pytestmark = pytest.mark.wire_timing
+
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
 
