@@ -205,21 +205,21 @@ def section_serve(ctx) -> dict[str, Any]:
         loaded = load_model(str(directory))  # the policy's dtype
         engine = BatchEngine(loaded, max_model_len=256, max_batch=2, buckets=(32,)).start()
         app = create_app(engine, loaded.tokenizer, ServerSettings(served_model_name="tiny", model_root=str(directory)))
-        import socket
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        # A Unix socket, not loopback TCP: some accelerator machines (the TPU machines this was run
+        # on) refuse every TCP socket, loopback included; the HTTP is the same.
+        socket_path = str(Path(tmp) / "server.sock")
+        server = uvicorn.Server(uvicorn.Config(app, uds=socket_path, log_level="warning", access_log=False))
+        thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
+        # Host: localhost, a loopback name (on a loopback bind the server refuses other Host headers)
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url="http://localhost")
         try:
             if not engine.wait_ready(300):
                 raise RuntimeError("the engine did not become ready in 300 s")
             deadline = time.time() + 60
             while True:
                 try:
-                    health = httpx.get(f"{url}/health", timeout=10)
+                    health = client.get("/health", timeout=10)
                     if health.status_code == 200 or time.time() > deadline:
                         break
                 except httpx.TransportError:
@@ -228,14 +228,14 @@ def section_serve(ctx) -> dict[str, Any]:
                 time.sleep(0.1)
             body = health.json()
             t0 = time.perf_counter()
-            reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            reply = client.post("/v1/chat/completions", timeout=120, json={
                 "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0})
             seconds = time.perf_counter() - t0
             answer = reply.json()
         finally:
             server.should_exit = True
             thread.join(30)
-            sock.close()
+            client.close()
             engine.shutdown(5)
     out = {"health_status": health.status_code, "policy_platform": body.get("policy", {}).get("platform"),
            "policy_compute_dtype": body.get("policy", {}).get("compute_dtype"), "precision": body.get("precision"),

@@ -29,7 +29,7 @@ from gemmax.profile import load
 from gemmax.profile.bandwidth import peak_bandwidth, spec_bandwidth
 from gemmax.profile.hlo import Classifier, HloIndex
 from gemmax.profile.run import load_weights, profile_decode
-from gemmax.profile.trace import _exclusive
+from gemmax.profile.trace import _exclusive, _ops_in_module_spans
 from hf_reference import GEMMA4_CONFIGS, randomize_norms
 
 WIDE = {**GEMMA4_CONFIGS["g4_shared"], "intermediate_size": 4160}  # double-wide (KV-shared) layers: 8320
@@ -277,6 +277,31 @@ def test_exclusive_time_of_nested_events():
     exclusive = {e[2]["hlo_op"]: e[3] for e in _exclusive(events)}
     assert exclusive == {"cond": 30, "a": 30, "b": 30, "c": 10, "d": 10}
     assert sum(exclusive.values()) == 110  # the busy time, nothing counted twice
+
+
+def test_ops_of_a_tpu_trace_without_module_stats():
+    """A TPU v5e trace (jax 0.10.2, the first TPU device check) names each op event by the instruction's
+    text and gives it no module stats; the module's runs are spans on the "XLA Modules" line. The ops
+    inside a span of the module are its ops in that run; ops of other modules and outside every span
+    are not."""
+    from types import SimpleNamespace as NS
+
+    def event(name, start, end, **stats):
+        return NS(name=name, start_ns=start, end_ns=end, stats=list(stats.items()))
+
+    modules = NS(name="XLA Modules", events=[event("jit_decode_step(1433)", 100, 200, run_id="7"),
+                                             event("jit_subtract(58)", 210, 220, run_id="8"),
+                                             event("jit_decode_step(1433)", 300, 400, run_id="9")])
+    ops = NS(name="XLA Ops", events=[
+        event("%copy-start.58 = (f32[512]{0:T(512)S(1)}) copy-start(f32[512]{0} %p.1)", 100, 110),
+        event("%fusion.3 = bf16[1,1536]{1,0} fusion(%a, %b), kind=kOutput", 120, 190),
+        event("%subtract.1 = f32[] subtract(%x, %y)", 211, 219),  # jit_subtract's
+        event("%fusion.3 = bf16[1,1536]{1,0} fusion(%a, %b), kind=kOutput", 310, 390)])
+    plane = NS(name="/device:TPU:0", lines=[NS(name="_counters_", events=[]), modules, ops])
+    assert _ops_in_module_spans(plane, "jit_decode_step") == [
+        (100, 110, {"hlo_op": "copy-start.58", "run_id": "7"}), (120, 190, {"hlo_op": "fusion.3", "run_id": "7"}),
+        (310, 390, {"hlo_op": "fusion.3", "run_id": "9"})]
+    assert _ops_in_module_spans(plane, "jit_decode") == []  # a module name is matched whole
 
 
 def test_peak_bandwidth_table():

@@ -214,8 +214,11 @@ def test_pallas_kernel_in_interpret_mode_equals_the_xla_reference(dtype):
     # and one chunk straight through the kernel, with a K step of several groups
     w1 = Q.quantize_int4(_weight(32, 512, seed=7))
     x1 = jnp.asarray(np.random.default_rng(8).standard_normal((3, 512), dtype=np.float32))
-    y1 = w4a16_matmul(x1, w1.packed, w1.scales, group=w1.group, tiles=W4Tiles(8, 16, 256), interpret=True)
-    np.testing.assert_allclose(np.asarray(y1), np.asarray(x1) @ np.asarray(w1.dequantize()).T, rtol=0, atol=1e-5)
+    # (its K steps in a loop, as on a GPU, and unrolled, as on a TPU)
+    for unrolled in (False, True):
+        y1 = w4a16_matmul(x1, w1.packed, w1.scales, group=w1.group, tiles=W4Tiles(8, 16, 256), interpret=True,
+                          unrolled=unrolled)
+        np.testing.assert_allclose(np.asarray(y1), np.asarray(x1) @ np.asarray(w1.dequantize()).T, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- fit check

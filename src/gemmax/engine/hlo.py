@@ -24,6 +24,7 @@ _FUSION_CONFIG = re.compile(r'"fusion_config":\{"kind":"([^"]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _CALLED = re.compile(r"%([\w.\-]+)")
+_ENTRY = re.compile(r"^ENTRY %?([\w.\-]+)", re.MULTILINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,11 @@ class HloIndex:
                 self.home[name] = comp_name
         called = {c for i in self.instrs.values() for c in _CALLED.findall(i.attrs)} & set(self.computations)
         entries = [c for c in self.computations if c not in called]
+        if len(entries) != 1:
+            # An async op in its short form (`custom-call-start(...)`, as TPU programs print them) names
+            # no computation it runs, so its wrapped computation looks uncalled: the text's ENTRY says.
+            match = _ENTRY.search(hlo_module.to_string())
+            entries = [match.group(1)] if match and match.group(1) in self.computations else entries
         if len(entries) != 1:
             raise ValueError(f"HLO module {self.name}: cannot tell the entry computation among {entries}")
         self.entry: str = entries[0]

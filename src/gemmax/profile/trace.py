@@ -5,7 +5,10 @@ Every event XLA records for an op carries `hlo_op` (the instruction name) and `h
 `run_id` identifies one execution of the module (one decode step).
 
 - GPU / TPU: the events of the `/device:*` planes (kernels on streams, or the TPU's "XLA Ops" line);
-  an HLO op that launches several kernels gets their sum.
+  an HLO op that launches several kernels gets their sum. Some TPU runtimes (a v5e with jax 0.10.2)
+  record ops with no module stats, the instruction's text as the event's name (`%fusion.3 = ...`):
+  their ops are the "XLA Ops" events inside the "XLA Modules" line's spans of the module, one span a
+  run (`_ops_in_module_spans`).
 - CPU: XLA:CPU runs ops on host threads, so the events come from the `/host:CPU` plane. A
   `conditional` or `while` op's event encloses the events of the ops in its body, so each event is
   charged its exclusive time (its duration minus the events nested in it on the same thread).
@@ -16,7 +19,9 @@ another process on a shared machine does not move the shares.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -60,6 +65,29 @@ def _exclusive(events: list[tuple[int, int, dict]]) -> list[tuple[int, int, dict
     return [tuple(e) for e in out]
 
 
+_OP_TEXT = re.compile(r"%?([\w.\-]+) = ")  # "%copy-start.58 = (f32[512]...) copy-start(...)" -> copy-start.58
+
+
+def _ops_in_module_spans(plane, module: str) -> list[tuple[int, int, dict]]:
+    """(start, end, {"hlo_op", "run_id"}) of the "XLA Ops" events that run inside a span of `module` on
+    the plane's "XLA Modules" line (named "jit_decode_step(14326850022379987117)"), for traces whose op
+    events carry no module stats; [] when the plane has no such spans."""
+    lines = {line.name: line for line in plane.lines}
+    if "XLA Modules" not in lines or "XLA Ops" not in lines:
+        return []
+    spans = sorted((int(e.start_ns), int(e.end_ns), dict(e.stats).get("run_id", i))
+                   for i, e in enumerate(lines["XLA Modules"].events) if e.name.startswith(module + "("))
+    starts = [start for start, _, _ in spans]
+    events = []
+    for event in lines["XLA Ops"].events:
+        start, end = int(event.start_ns), int(event.end_ns)
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and end <= spans[i][1]:
+            match = _OP_TEXT.match(event.name)
+            events.append((start, end, {"hlo_op": match.group(1) if match else event.name, "run_id": spans[i][2]}))
+    return events
+
+
 def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
     """Per-op time per step of the HLO module named `module` (e.g. "jit_decode_step") over a trace of
     `steps` executions (used to split the time when the events carry no run id)."""
@@ -80,6 +108,8 @@ def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
                     events.append((int(event.start_ns), int(event.end_ns), stats))
             if events:
                 found[line.name] = events
+        if plane.name.startswith("/device:") and not found and (events := _ops_in_module_spans(plane, module)):
+            found["XLA Ops"] = events
         if plane.name.startswith("/device:"):
             # A device plane with an "XLA Ops" line (TPU) holds the ops there; its other lines repeat them.
             device_lines += [found["XLA Ops"]] if "XLA Ops" in found else list(found.values())

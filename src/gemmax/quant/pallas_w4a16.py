@@ -183,18 +183,22 @@ def check_w4a16_fits(config, tiles: W4Tiles | None, device_limit: int, platform:
 # ------------------------------------------------------------------------------------------- kernel
 
 
-def _kernel(xlo_ref, xhi_ref, packed_ref, slo_ref, shi_ref, out_ref, *, k_step: int, group: int):
+def _kernel(xlo_ref, xhi_ref, packed_ref, slo_ref, shi_ref, out_ref, *, k_step: int, group: int, unrolled: bool):
     """One [bm, bn] output block: accumulate over the chunk's K in steps of k_step columns
-    (k_step/2 from each nibble plane), each group of `group` columns scaled once."""
+    (k_step/2 from each nibble plane), each group of `group` columns scaled once. `unrolled`: the
+    steps as a Python loop (every index static) instead of `fori_loop`, for Mosaic (TPU), which must
+    prove each scale column's offset aligned at compile time and cannot with a loop index (its error
+    E2003 on a v5e); compiling the unrolled steps is slower (the TPU probe: 124 s)."""
     half = k_step // 2
     bm, bn = out_ref.shape
 
     def step(s, acc):
         for g in range(half // group):  # static: groups inside one step
             cols = pl.ds(s * half + g * group, group)
-            q = lax.bitcast_convert_type(packed_ref[:, cols], jnp.int8)  # [bn, group]
+            # Nibbles unpacked in int32: Mosaic cannot shift int8 vectors ("failed to legalize arith.shli").
+            q = lax.bitcast_convert_type(packed_ref[:, cols], jnp.int8).astype(jnp.int32)  # [bn, group]
             gcol = pl.ds(s * (half // group) + g, 1)
-            lo = ((q << 4) >> 4).astype(jnp.float32) * slo_ref[:, gcol].astype(jnp.float32)  # [bn, group]
+            lo = ((q << 28) >> 28).astype(jnp.float32) * slo_ref[:, gcol].astype(jnp.float32)  # [bn, group]
             hi = (q >> 4).astype(jnp.float32) * shi_ref[:, gcol].astype(jnp.float32)
             xlo, xhi = xlo_ref[:, cols], xhi_ref[:, cols]  # [bm, group]
             acc += lax.dot_general(xlo, lo.astype(xlo.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -202,15 +206,21 @@ def _kernel(xlo_ref, xhi_ref, packed_ref, slo_ref, shi_ref, out_ref, *, k_step: 
         return acc
 
     steps = xlo_ref.shape[1] // half
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    acc = jnp.zeros((bm, bn), jnp.float32)
+    if unrolled:
+        for s in range(steps):
+            acc = step(s, acc)
+    else:
+        acc = lax.fori_loop(0, steps, step, acc)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "tiles", "interpret", "unrolled"))
 def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: int, tiles: W4Tiles,
-                 interpret: bool = False) -> jax.Array:
+                 interpret: bool = False, unrolled: bool | None = None) -> jax.Array:
     """x [M, K] @ W.T -> [M, N] float32 for one chunk: packed uint8 [N, K/2] (low nibble: column j, high:
-    column K/2 + j), scales [N, K/group]. M is padded to a multiple of bm."""
+    column K/2 + j), scales [N, K/group]. M is padded to a multiple of bm. `unrolled` (`_kernel`):
+    None unrolls for a TPU backend only."""
     m, k = x.shape
     n, half = packed.shape
     if k != 2 * half or scales.shape != (n, k // group):
@@ -221,7 +231,8 @@ def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: i
     xlo, xhi = x[:, :half], x[:, half:]
     slo, shi = scales[:, : half // group], scales[:, half // group :]
     call = pl.pallas_call(
-        functools.partial(_kernel, k_step=k_step, group=group),
+        functools.partial(_kernel, k_step=k_step, group=group,
+                          unrolled=jax.default_backend() == "tpu" if unrolled is None else unrolled),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         grid=(rows // bm, n // bn),
         in_specs=[
