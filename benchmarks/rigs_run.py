@@ -15,8 +15,9 @@ built-in tokenizer beside it so every rig counts and detokenizes the same ids). 
 3. the sweep: inputs 41 / 521 / 2057 tokens at concurrency 1 (`--repeats` measured requests after a
    warm-up request) and at concurrency 8 (`--repeats-batched` measured rounds of 8 after a warm-up
    round), 64 forced output tokens (ignore_eos + min_tokens), greedy;
-4. the same at `--sampled-input-lens` for each `--sampling` setting (the result's `sampled` list),
-   so sampled decode is measured beside greedy in the same server process;
+4. for each `--sampling` setting, at `--sampled-input-lens`: a greedy sweep, then the same sweep
+   with that sampling (the result's `sampled` list, each entry with its `greedy_cells`), so every
+   sampled figure has a greedy one measured just before it in the same server process;
 5. stop it.
 
 Rigs run one at a time, so they never share the CPU with each other. Writes
@@ -172,8 +173,13 @@ def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, refer
             result = sweep_levels(url, name, args, args.input_lens, ())
             result["sampled"] = []
             for sampling in args.sampling:
+                # Greedy again right before each setting, at the same inputs: the ratio compares two
+                # sweeps a minute apart, not the greedy sweep of minutes before (this machine's
+                # bandwidth has swung 2x within a minute).
+                greedy = sweep_levels(url, name, args, args.sampled_input_lens, ())
                 part = sweep_levels(url, name, args, args.sampled_input_lens, sampling)
-                result["sampled"].append({"sampling": sampling_name(sampling), "cells": part["cells"]})
+                result["sampled"].append({"sampling": sampling_name(sampling), "cells": part["cells"],
+                                          "greedy_cells": greedy["cells"]})
                 print(f"[{model}/{name}] {sampling_name(sampling)} done", file=sys.stderr)
             result["rig"] = info
             return result
@@ -207,12 +213,13 @@ def sweep_levels(url: str, name: str, args: argparse.Namespace, input_lens: tupl
 
 def sampled_table(runs: list[dict]) -> list[str]:
     """Markdown: per rig and sampling setting, wire decode tok/s at c=1 and output tok/s at c=8, each
-    with its ratio to the same rig's greedy cell at the same input length."""
-    lines = ["| rig | sampling | input | c=1 decode tok/s | / greedy | c=8 output tok/s | / greedy |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    beside the greedy figure measured just before it (`greedy_cells`; older results: the rig's main
+    greedy sweep) and their ratio."""
+    lines = ["| rig | sampling | input | c=1 decode tok/s | greedy | ratio | c=8 output tok/s | greedy | ratio |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
-        greedy = {(c["input_len"], c["concurrency"]): c for c in run["cells"]}
         for part in run.get("sampled", []):
+            greedy = {(c["input_len"], c["concurrency"]): c for c in part.get("greedy_cells", run["cells"])}
             for input_len in sorted({c["input_len"] for c in part["cells"]}):
                 cells = {c["concurrency"]: c for c in part["cells"] if c["input_len"] == input_len}
                 row = [run["label"], part["sampling"], str(input_len)]
@@ -221,7 +228,8 @@ def sampled_table(runs: list[dict]) -> list[str]:
                     cell, base = cells.get(concurrency), greedy.get((input_len, concurrency))
                     value = figure(cell) if cell else None
                     ref = figure(base) if base else None
-                    row += [f"{value:.1f}" if value else "", f"{value / ref:.2f}" if value and ref else ""]
+                    row += [f"{value:.1f}" if value else "", f"{ref:.1f}" if ref else "",
+                            f"{value / ref:.2f}" if value and ref else ""]
                 lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -258,7 +266,7 @@ def report(models: list[str], rigs: list[str], args: argparse.Namespace, header:
             lines.append(to_markdown(comparison))
             wide_console().print(to_rich(comparison, title=f"{model}: {MODELS[model]}"))
         if any(r.get("sampled") for r in timed):
-            lines += ["Sampled decode against greedy (same server process, same harness):", "",
+            lines += ["Sampled decode against greedy measured just before it (same server process, same harness):", "",
                       *sampled_table(timed), ""]
         if timed:
             plot = plot_runs(timed, args.out_dir / f"rigs-{model}.png")
@@ -278,7 +286,7 @@ def main() -> int:
     parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds of 8 at concurrency 8")
     parser.add_argument("--sampling", type=lambda text: tuple(parse_sampling(t) for t in text.split(";") if t.strip()),
                         default=tuple(parse_sampling(t) for t in SAMPLINGS),
-                        help="';'-separated sampling settings measured after greedy (name=value,...); '' for none")
+                        help="';'-separated sampling settings, each measured after its own greedy sweep (name=value,...); '' for none")
     parser.add_argument("--sampled-input-lens", type=ints, default=(41,))
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
