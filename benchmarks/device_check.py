@@ -553,8 +553,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     ctx = Context(args, args.out)
     import jax
 
+    from gemmax.engine.executables import code_hash
+
+    # `code`: the hash of gemmax's numeric source that ran (a copied tree may carry no git history)
     report: dict[str, Any] = {"schema": SCHEMA, "reduced": ctx.reduced, "platform": ctx.platform,
-                              "device": str(jax.devices()[0].device_kind), "model": ctx.model_name,
+                              "code": code_hash()[:12], "device": str(jax.devices()[0].device_kind), "model": ctx.model_name,
                               "argv": sys.argv[1:] if argv is None else argv, "sections": {}, "elapsed_s": 0.0}
     for name in chosen:
         elapsed = time.perf_counter() - started

@@ -45,6 +45,9 @@ def test_every_section_passes_and_the_last_line_is_the_report(run):
     assert last["sections"].keys() == on_disk["sections"].keys() == set(device_check.SECTIONS)
     assert {name: s["status"] for name, s in last["sections"].items()} == dict.fromkeys(device_check.SECTIONS, "ok")
     assert last["reduced"] is True and last["platform"] == "cpu" and last["ok"] is True
+    from gemmax.engine.executables import code_hash
+
+    assert last["code"] == code_hash()[:12]  # which source ran, for results copied off a device
     table = (out / "device_check.md").read_text()
     assert "| section | what | value |" in table and table.strip() in proc.stdout
 

@@ -29,7 +29,7 @@ from gemmax.profile import load
 from gemmax.profile.bandwidth import peak_bandwidth, spec_bandwidth
 from gemmax.profile.hlo import Classifier, HloIndex
 from gemmax.profile.run import load_weights, profile_decode
-from gemmax.profile.trace import _exclusive, _ops_in_module_spans
+from gemmax.profile.trace import _exclusive, _ops_in_module_spans, op_times
 from hf_reference import GEMMA4_CONFIGS, randomize_norms
 
 WIDE = {**GEMMA4_CONFIGS["g4_shared"], "intermediate_size": 4160}  # double-wide (KV-shared) layers: 8320
@@ -279,7 +279,7 @@ def test_exclusive_time_of_nested_events():
     assert sum(exclusive.values()) == 110  # the busy time, nothing counted twice
 
 
-def test_ops_of_a_tpu_trace_without_module_stats():
+def test_ops_of_a_tpu_trace_without_module_stats(monkeypatch):
     """A TPU v5e trace (jax 0.10.2, the first TPU device check) names each op event by the instruction's
     text and gives it no module stats; the module's runs are spans on the "XLA Modules" line. The ops
     inside a span of the module are its ops in that run; ops of other modules and outside every span
@@ -302,6 +302,18 @@ def test_ops_of_a_tpu_trace_without_module_stats():
         (100, 110, {"hlo_op": "copy-start.58", "run_id": "7"}), (120, 190, {"hlo_op": "fusion.3", "run_id": "7"}),
         (310, 390, {"hlo_op": "fusion.3", "run_id": "9"})]
     assert _ops_in_module_spans(plane, "jit_decode") == []  # a module name is matched whole
+    root = NS(name="XLA Ops", events=[event("ROOT %tuple.1 = (f32[4]{0}) tuple(%a)", 390, 400)])
+    assert _ops_in_module_spans(NS(name="/device:TPU:0", lines=[modules, root]), "jit_decode_step") == [
+        (390, 400, {"hlo_op": "tuple.1", "run_id": "9"})]
+
+    # op_times reads such a trace through them: two runs of the module, its ops' median per run.
+    from jax.profiler import ProfileData
+
+    plane.stats = []
+    monkeypatch.setattr(ProfileData, "from_file", staticmethod(lambda path: NS(planes=[plane])))
+    times = op_times("trace.xplane.pb", "jit_decode_step", steps=2)
+    assert times.source == "device" and times.steps == 2
+    assert times.per_op_ns == {"copy-start.58": 5.0, "fusion.3": 75.0}  # medians of (10, 0) and (70, 80)
 
 
 def test_peak_bandwidth_table():

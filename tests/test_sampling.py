@@ -318,3 +318,28 @@ def test_a_row_draws_the_same_token_whatever_shares_the_batch():
     assert len(set(together[:, 1].tolist())) > 1  # the sampled rows do move between steps
     reordered = run(everything[::-1], [3] * len(settings))
     np.testing.assert_array_equal(reordered[::-1], together[3])
+
+
+def test_the_row_by_row_thresholds_give_the_batched_ids():
+    """On CPU the whole-row thresholds run row by row (`_threshold_ids_by_row`); GPUs, TPUs and meshes
+    keep the batched call (`_threshold_ids`). Both give every row the same token (flat rows, ties,
+    top-k, top-p, min-p and their mixes, several seeds); rows not asked for get 0 and no work."""
+    rows = [_FLAT, np.ones(1280, np.float32), _FLAT[::-1].copy(), _peaked(1280, 3), _FLAT * 2.0]
+    settings = [(1.0, _OFF, 0.95, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 1100, 1.0, 0.0), (1.0, 1100, 0.97, 0.02),
+                (1.3, _OFF, 1.0, 0.3)]  # temperature, k (_OFF: off), top_p, min_p
+    x = jnp.asarray(np.stack(rows))
+    t, k, top_p, min_p = (jnp.asarray(c, dtype) for c, dtype in zip(zip(*settings, strict=True),
+                                                                     (jnp.float32, jnp.int32, jnp.float32, jnp.float32),
+                                                                     strict=True))
+    k = jnp.where(k == 0, _OFF, k)
+    top = jnp.max(x, axis=-1)
+    w = jnp.exp((x - top[:, None]) / t[:, None])
+    for seed in range(4):
+        u = jax.random.uniform(jax.random.key(seed), (len(rows), 2))
+        batched = jax.jit(sampling._threshold_ids)(x, w, k, top_p, min_p, u)
+        need = jnp.ones(len(rows), jnp.bool_)
+        by_row = jax.jit(sampling._threshold_ids_by_row)(x, top, t, k, top_p, min_p, u, need)
+        np.testing.assert_array_equal(np.asarray(by_row), np.asarray(batched), err_msg=f"seed {seed}")
+    some = jax.jit(sampling._threshold_ids_by_row)(x, top, t, k, top_p, min_p, u, jnp.asarray([1, 0, 1, 0, 0], bool))
+    np.testing.assert_array_equal(np.asarray(some)[[1, 3, 4]], 0)
+    np.testing.assert_array_equal(np.asarray(some)[[0, 2]], np.asarray(batched)[[0, 2]])

@@ -116,7 +116,8 @@ class HloIndex:
         entries = [c for c in self.computations if c not in called]
         if len(entries) != 1:
             # An async op in its short form (`custom-call-start(...)`, as TPU programs print them) names
-            # no computation it runs, so its wrapped computation looks uncalled: the text's ENTRY says.
+            # no computation it runs, so its wrapped computation looks uncalled: the text's ENTRY says
+            # (read only then: printing a large module costs more than the check above).
             match = _ENTRY.search(hlo_module.to_string())
             entries = [match.group(1)] if match and match.group(1) in self.computations else entries
         if len(entries) != 1:

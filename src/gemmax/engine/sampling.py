@@ -275,22 +275,31 @@ def _threshold_ids(x: jax.Array, w: jax.Array, k, top_p, min_p, u) -> jax.Array:
 
 def _threshold_ids_by_row(x: jax.Array, top: jax.Array, t: jax.Array, k, top_p, min_p, u, need) -> jax.Array:
     """`_threshold_ids` one row at a time (`lax.map`), only for the rows with `need` [B] (the others
-    get 0, never read): x [B, n] logits padded with -inf, top [B] their maxima, t [B] temperatures.
-    A row's logits and weights (2 MB at 262,144 entries) stay in cache through the bisections'
-    passes, where a batch's did not: flat rows at batch 8 (`benchmarks/sampling.py --flat --against`
-    the batched version, one process, 2-core Zen 4) took 16.2 ms for top_p 0.9 against 34.2, and
-    2.7 ms for min_p 0.05 against 10.3; one row alone 2.2 and 0.5 ms either way."""
+    get 0, never read): x [B, n] logits padded with -inf, top [B] their maxima, t [B] temperatures, k
+    [B] (`_OFF`: off), top_p and min_p [B], u [B, 2]. The same ids as the batched call, row by row.
+    On CPU only (`_by_row`): flat rows at batch 8 (`benchmarks/sampling.py --flat --against` the
+    batched version, one process, 2-core Zen 4) took 16.2 ms for top_p 0.9 against 34.2, and 2.7 ms
+    for min_p 0.05 against 10.3 (docs/bench.md: part of that is the harness's order); one row alone
+    2.2 and 0.5 ms either way. Our reading: a row's arrays stay in cache through the path's passes."""
 
     def row(args):
-        x, top, t, k, top_p, min_p, u, need = args
+        x_r, top_r, t_r, k_r, top_p_r, min_p_r, u_r, need_r = args  # row r: x_r [n], u_r [2], the rest []
 
         def ids():
-            w = jnp.exp((x - top) / t)  # p / p_max
-            return _threshold_ids(x[None], w[None], k[None], top_p[None], min_p[None], u[None])[0]
+            w_r = jnp.exp((x_r - top_r) / t_r)  # p / p_max
+            return _threshold_ids(x_r[None], w_r[None], k_r[None], top_p_r[None], min_p_r[None], u_r[None])[0]
 
-        return jax.lax.cond(need, ids, lambda: jnp.int32(0))
+        return jax.lax.cond(need_r, ids, lambda: jnp.int32(0))
 
     return jax.lax.map(row, (x, top, t, k, top_p, min_p, u, need))
+
+
+def _by_row() -> bool:
+    """Whether the whole-row thresholds run row by row: on CPU, where it was measured. A GPU or TPU
+    would run a bisection's passes once per row instead of once per batch, and under a mesh the map
+    would gather rows split over the data-parallel axis; neither is measured, so they keep the
+    batched call."""
+    return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty
 
 
 def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
@@ -300,7 +309,7 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
       one block's entries), no sort and no random numbers beyond two per row;
     - top-k, top-p, min-p: the rule on the best 64 entries (found from block maxima, `_candidates`),
       then on the best 256 and 1,024 for rows it did not prove, then by whole-row thresholds
-      (`_threshold_ids`, row by row) for the rest; a window in which no row can be proven (`_can_prove`) is
+      (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row can be proven (`_can_prove`) is
       not built.
     Each row's token depends only on its own logits, settings and key: which window decides a row
     follows from the row alone, and each window runs the same arithmetic whatever else asked for it."""
@@ -342,8 +351,10 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
         if tier + 1 < len(_TIERS):
             wider = lambda: filtered_ids(tier + 1)  # noqa: E731
         else:
-            wider = lambda: _threshold_ids_by_row(x, top[:, 0, 0], t[:, 0], k, top_p, min_p, u,  # noqa: E731
-                                                  filtered & ~proven)
+            def wider():
+                if _by_row():
+                    return _threshold_ids_by_row(x, top[:, 0, 0], t[:, 0], k, top_p, min_p, u, filtered & ~proven)
+                return _threshold_ids(x, weights(blocks).reshape(B, -1), k, top_p, min_p, u)
         return jnp.where(proven, found, jax.lax.cond(jnp.any(filtered & ~proven), wider, lambda: found))
 
     plain_ids = jax.lax.cond(jnp.any(plain), plain_ids, lambda: zeros)

@@ -65,7 +65,7 @@ def _exclusive(events: list[tuple[int, int, dict]]) -> list[tuple[int, int, dict
     return [tuple(e) for e in out]
 
 
-_OP_TEXT = re.compile(r"%?([\w.\-]+) = ")  # "%copy-start.58 = (f32[512]...) copy-start(...)" -> copy-start.58
+_OP_TEXT = re.compile(r"(?:ROOT\s+)?%?([\w.\-]+) = ")  # "%copy-start.58 = (f32[512]...) copy-start(...)" -> copy-start.58
 
 
 def _ops_in_module_spans(plane, module: str) -> list[tuple[int, int, dict]]:
@@ -108,9 +108,9 @@ def op_times(xplane: str | Path, module: str, steps: int) -> OpTimes:
                     events.append((int(event.start_ns), int(event.end_ns), stats))
             if events:
                 found[line.name] = events
-        if plane.name.startswith("/device:") and not found and (events := _ops_in_module_spans(plane, module)):
-            found["XLA Ops"] = events
         if plane.name.startswith("/device:"):
+            if not found and (spanned := _ops_in_module_spans(plane, module)):
+                found["XLA Ops"] = spanned
             # A device plane with an "XLA Ops" line (TPU) holds the ops there; its other lines repeat them.
             device_lines += [found["XLA Ops"]] if "XLA Ops" in found else list(found.values())
         else:

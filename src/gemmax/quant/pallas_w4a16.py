@@ -220,7 +220,7 @@ def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: i
                  interpret: bool = False, unrolled: bool | None = None) -> jax.Array:
     """x [M, K] @ W.T -> [M, N] float32 for one chunk: packed uint8 [N, K/2] (low nibble: column j, high:
     column K/2 + j), scales [N, K/group]. M is padded to a multiple of bm. `unrolled` (`_kernel`):
-    None unrolls for a TPU backend only."""
+    None unrolls where Mosaic compiles the kernel (a TPU backend, not interpret mode)."""
     m, k = x.shape
     n, half = packed.shape
     if k != 2 * half or scales.shape != (n, k // group):
@@ -232,7 +232,7 @@ def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: i
     slo, shi = scales[:, : half // group], scales[:, half // group :]
     call = pl.pallas_call(
         functools.partial(_kernel, k_step=k_step, group=group,
-                          unrolled=jax.default_backend() == "tpu" if unrolled is None else unrolled),
+                          unrolled=(not interpret and jax.default_backend() == "tpu") if unrolled is None else unrolled),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         grid=(rows // bm, n // bn),
         in_specs=[
