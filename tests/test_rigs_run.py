@@ -38,3 +38,42 @@ def test_results_without_adjacent_greedy_read_against_the_main_sweep():
     run = {"label": "vllm", "cells": [cell(41, 1, 20.0, 18.0)],
            "sampled": [{"sampling": "min_p=0.05", "cells": [cell(41, 1, 18.0, 16.0)]}]}
     assert rows(run) == [["vllm", "min_p=0.05", "41", "18.0", "20.0", "0.90", "", "", ""]]
+
+
+def test_each_sampled_setting_follows_its_own_greedy_sweep(monkeypatch, tmp_path):
+    """bench_rig's order of sweeps: the main greedy sweep, then for every setting a greedy sweep and the
+    sampled one at the sampled inputs; each result entry keeps the greedy cells measured before it.
+    (The rig, its health and the quality check are stand-ins here: the sweeps themselves run against
+    real servers in tests/test_bench_e2e.py and benchmarks/rigs_run.py.)"""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    class Process:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    rig = SimpleNamespace(prepare=None, command=lambda options: ["rig"], start=lambda options, **_: Process())
+    monkeypatch.setattr(rigs_run, "get_rig", lambda name: rig)
+    monkeypatch.setattr(rigs_run, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(rigs_run, "quality_check", lambda url, reference: {
+        "agree_prefix": 4, "tokens": 4, "prompt_ids_match": True, "degenerate": False, "judged_degenerate": False,
+        "text": "ok"})
+    sweeps = []
+
+    def sweep_levels(url, name, args, input_lens, sampling):
+        sweeps.append((input_lens, rigs_run.sampling_name(sampling)))
+        return {"cells": [f"cells {len(sweeps)}"]}
+
+    monkeypatch.setattr(rigs_run, "sweep_levels", sweep_levels)
+    samplings = tuple(rigs_run.parse_sampling(text) for text in ("temperature=1.0", "top_k=40"))
+    args = Namespace(dtype="bfloat16", max_model_len=256, concurrency=(1, 8), out_dir=tmp_path, startup_timeout=5,
+                     input_lens=(41, 521), sampled_input_lens=(41,), sampling=samplings)
+    result = rigs_run.bench_rig("builtin", tmp_path, "gemmax", args, reference=None)
+    greedy = rigs_run.sampling_name(())
+    assert sweeps == [((41, 521), greedy), ((41,), greedy), ((41,), "temperature=1.0"), ((41,), greedy),
+                      ((41,), "top_k=40")]
+    assert [(part["greedy_cells"], part["cells"]) for part in result["sampled"]] == [
+        (["cells 2"], ["cells 3"]), (["cells 4"], ["cells 5"])]
