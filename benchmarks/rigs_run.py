@@ -286,7 +286,8 @@ def main() -> int:
     parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds of 8 at concurrency 8")
     parser.add_argument("--sampling", type=lambda text: tuple(parse_sampling(t) for t in text.split(";") if t.strip()),
                         default=tuple(parse_sampling(t) for t in SAMPLINGS),
-                        help="';'-separated sampling settings, each measured after its own greedy sweep (name=value,...); '' for none")
+                        help="';'-separated sampling settings (name=value,...), each measured after its own greedy "
+                             "sweep; '' for none")
     parser.add_argument("--sampled-input-lens", type=ints, default=(41,))
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)

@@ -309,8 +309,8 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
       one block's entries), no sort and no random numbers beyond two per row;
     - top-k, top-p, min-p: the rule on the best 64 entries (found from block maxima, `_candidates`),
       then on the best 256 and 1,024 for rows it did not prove, then by whole-row thresholds
-      (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row can be proven (`_can_prove`) is
-      not built.
+      (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row can be proven
+      (`_can_prove`) is not built.
     Each row's token depends only on its own logits, settings and key: which window decides a row
     follows from the row alone, and each window runs the same arithmetic whatever else asked for it."""
     B, V = logits.shape

@@ -230,9 +230,10 @@ def w4a16_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, group: i
     x = jnp.pad(x, ((0, rows - m), (0, 0)))
     xlo, xhi = x[:, :half], x[:, half:]
     slo, shi = scales[:, : half // group], scales[:, half // group :]
+    if unrolled is None:  # Mosaic compiles it
+        unrolled = not interpret and jax.default_backend() == "tpu"
     call = pl.pallas_call(
-        functools.partial(_kernel, k_step=k_step, group=group,
-                          unrolled=(not interpret and jax.default_backend() == "tpu") if unrolled is None else unrolled),
+        functools.partial(_kernel, k_step=k_step, group=group, unrolled=unrolled),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         grid=(rows // bm, n // bn),
         in_specs=[
