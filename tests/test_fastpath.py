@@ -262,7 +262,7 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
     else:
         args = (jax.ShapeDtypeStruct((8,), jnp.bool_), jax.ShapeDtypeStruct((2,), jnp.int32),
                 jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
-    kv_len = kv_buckets(1024) if step == "prefill_step" else 256
+    kv_len = 256 if step == "prefill_rows" else kv_buckets(1024)
     hlo = getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
                                      kv_len=kv_len).compile().as_text()
     assert cache_rewrites(hlo, _cache_shapes(device.cache)) == []

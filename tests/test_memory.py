@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,10 @@ from typer.testing import CliRunner
 from gemmax.cli import app
 from gemmax.engine.fastpath import prepare_params
 from gemmax.engine.memory import (
+    MAP_SHARE,
     GiB,
+    MapBudget,
+    MapLimitError,
     MemoryPlanError,
     bytes_per_decode_step,
     check_fit,
@@ -24,6 +28,7 @@ from gemmax.engine.memory import (
     kv_cache_bytes,
     kv_fixed_bytes,
     measure_read_bandwidth,
+    memory_maps,
     plan_memory,
     prefill_workspace_bytes,
     weight_bytes,
@@ -253,3 +258,18 @@ def test_fit_counts_the_prefix_cache(tmp_path):
     code, explicit = plan("--device-memory-gib", "10", "--prefix-cache-bytes", str(2 * GiB))
     assert code == 1 and not explicit["fits"] and explicit["prefix_cache"] == 2 * GiB
     assert plan("--device-memory-gib", "24", "--prefix-cache-bytes", "0")[1]["prefix_cache"] == 0
+
+
+def test_map_budget_refuses_with_the_arithmetic_before_the_limit():
+    """Ten programs, four ready, each of which added 1,000 memory maps: the six left take the process
+    to its current maps + 6,000. A limit of exactly that is refused (over MAP_SHARE of it), with the
+    numbers; a limit with that as MAP_SHARE of it and room to spare passes."""
+    used = memory_maps()
+    assert used is not None and used > 0  # Linux: /proc says
+    with pytest.raises(MapLimitError) as refused:
+        MapBudget(10, limit=used + 6000, start=used - 4000).check(4)
+    message = str(refused.value)
+    assert re.search(r"about 1,00\d each", message) and "6 to go" in message and f"{used + 6000:,}" in message
+    assert "vm.max_map_count" in message
+    MapBudget(10, limit=int((used + 6000) / MAP_SHARE) + 2000, start=used - 4000).check(4)
+    MapBudget(10, limit=None, start=used).check(4)  # no limit known: nothing to check

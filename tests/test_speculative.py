@@ -375,7 +375,8 @@ def test_server_extra_usage_metrics_and_refusals(engine, loaded):
 @pytest.fixture(scope="module")
 def builtin_engine():
     loaded = load_model(None, "float32")  # the built-in Gemma 3 270M
-    eng = BatchEngine(loaded, max_model_len=256, max_batch=1, buckets=(64,), steps_per_dispatch=4,
+    # KV buckets (256, 512): the verify steps choose one on the device (`verify_rows`' tuple of bounds)
+    eng = BatchEngine(loaded, max_model_len=512, max_batch=1, buckets=(64,), steps_per_dispatch=4,
                       speculation=PLAIN).start()
     assert eng.wait_ready(900)
     yield eng, loaded.tokenizer
@@ -384,13 +385,22 @@ def builtin_engine():
 
 def test_builtin_model_greedy_speculative_equals_plain(builtin_engine):
     """The real model on a copying prompt, where prompt lookup's proposals are often right: k = 2, 4
-    and 8 each give the plain tokens, with proposals kept."""
+    and 8 each give the plain tokens, with proposals kept, while the context crosses from the first
+    KV bucket (256 slots) into the second."""
     engine, tokenizer = builtin_engine
     text = ("The keeper wound the clock every four hours, wrote the weather in the log three times a day, "
-            "and polished the brass lens until it shone.")
-    prompt = tokenizer.encode(f"Copy this sentence twice.\nSentence: {text}\nCopy 1: {text}\nCopy 2:")
+            "and polished the brass lens until it shone. In winter he walked the breakwater at dawn to clear "
+            "the ice from the lamp room windows, and in summer he painted the railings white again. On "
+            "Sundays his daughter rowed out from the village with bread, letters and the newspaper, and "
+            "stayed until the tide turned. When storms kept her ashore he read the old almanacs by the stove "
+            "and mended the nets that hung in the boathouse.")
+    prompt = tokenizer.encode(f"Copy this text twice.\nText: {text}\nCopy 1: {text}\nCopy 2:")
+    assert len(prompt) < 256 < len(prompt) + 48
     reference = _run(engine, prompt, 48, PLAIN).wait().token_ids
     for k in SPEC_KS:
         result = _run(engine, prompt, 48, Speculation("ngram", k)).wait()
         assert result.token_ids == reference, f"k={k}"
         assert result.speculation.accepted > 0, result.speculation
+    # One verify program per k (one decode group), warmed at start and run in both KV buckets, where
+    # a program per bucket would make it two per k.
+    assert engine.steps.verify_rows.size() == len(SPEC_KS)

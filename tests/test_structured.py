@@ -38,7 +38,7 @@ PROMPT = "Here is the record as JSON:\n"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    loaded = load_model(None, "float32")
+    loaded = load_model(None)  # the serve default: int8 linear layers and LM head
     eng = BatchEngine(loaded, max_model_len=512, max_batch=8, buckets=(64,), steps_per_dispatch=4,
                       compile_cache_dir=str(tmp_path_factory.mktemp("xla")), prefix_cache_bytes=64 << 20)
     # Full-batch decode steps only (no smaller groups): a quarter of the compiled decode shapes, free

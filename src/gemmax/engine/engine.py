@@ -30,12 +30,14 @@ on disk as executables that the next start loads (gemmax.engine.executables):
                       time; splitting cost nothing measurable per step), and one sampler serves
                       every prefill bucket, KV bound and decode group
     verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
-                      proposal length k in SPEC_KS: one step scores k proposed tokens per row
-    x kv_len          each verify step per KV-length bucket (a batched prefill reads the smallest):
-                      a step reads only the cache slots its context can use (full layers; rings not
-                      yet wrapped). A one-slot prefill chunk and a decode forward choose their
-                      bucket on the device instead, layer by layer (`forward`'s tuple of bounds):
-                      one program for every context length
+                      proposal length k in SPEC_KS: one step scores k proposed tokens per row,
+                      written into the rows' cache in place as a prefill chunk is
+    x kv_len          a batched prefill per KV-length bucket (it reads the smallest), and a draft
+                      model's or MTP assistant's proposal step per bucket too: a step reads only the
+                      cache slots its context can use (full layers; rings not yet wrapped). A
+                      one-slot prefill chunk, a decode forward and a verify step choose their bucket
+                      on the device instead, layer by layer (`forward`'s tuple of bounds): one
+                      program for every context length
 
 While a constrained request runs, the host fills each step's token masks while the forward runs
 (`_decode_constrained`): `draw` with a mask (per group, and for a prompt's first token) compiles on
@@ -101,7 +103,7 @@ from gemmax.engine.api import (
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.draft import Drafter, check_draft
 from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore
-from gemmax.engine.memory import check_fit, plan_memory
+from gemmax.engine.memory import MapBudget, check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.mtp import MtpProposer, check_mtp
 from gemmax.engine.prefix_cache import PrefixCache
@@ -497,9 +499,12 @@ class BatchEngine:
         self._init_device_state()
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
             self.prefix_cache.clear()
-        prefills, decodes = len(self.shapes.buckets), len(self.shapes.verify_shapes)
-        shapes = declared + (0 if self.drafter is None else prefills + 2 * decodes * len(self.spec_ks))
-        shapes += 0 if self.mtp is None else 2 * decodes * len(self.spec_ks)
+        # the drafter's: a draft model's prefill per bucket, its proposal per (group, KV bound, k),
+        # the verify step with q per (group, k)
+        proposals, verifies = len(self.shapes.draft_shapes), len(self.shapes.decode_groups)
+        drafted = (proposals + verifies) * len(self.spec_ks)
+        shapes = declared + (0 if self.drafter is None else len(self.shapes.buckets) + drafted)
+        shapes += 0 if self.mtp is None else drafted
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
@@ -530,24 +535,25 @@ class BatchEngine:
                   for size in self.shapes.decode_groups]
         if self.drafter is None and self.mtp is None:  # with a drafter every verify step takes q
             calls += [("verify_rows", *self._verify_args(np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32),
-                                                         np.zeros(size, np.int32), kv_len))
-                      for size, kv_len in self.shapes.verify_shapes for k in self.spec_ks]
+                                                         np.zeros(size, np.int32)))
+                      for size in self.shapes.decode_groups for k in self.spec_ks]
         return calls
 
     def _warm_up_drafter(self) -> None:
         """The drafter's shapes, run once each (its steps are jitted, not ahead of time; a draft
         model's prefill at start 0 only, so its later chunks' past branches set up on first use): a
         draft model's prefill per bucket with a 1-token dummy chunk, then per decode group, k
-        and KV bound the proposal step (`_drafted`) and the target's verify step with q (all rows
-        idle: nothing is kept)."""
+        and KV bound the proposal step (`_drafted`), and per decode group and k the target's verify
+        step with q (all rows idle: nothing is kept)."""
         if self.drafter is not None:
             for bucket in self.shapes.buckets:
                 self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, 0, 1)
-        for size, kv_len in self.shapes.verify_shapes:
+        for size, kv_len in self.shapes.draft_shapes:
             for k in self.spec_ks:
                 rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
                 proposals, q = self._drafted(rows, {}, table, k, kv_len)
-                self._dispatch_verify(rows, proposals, counts, kv_len, q, np.zeros(size, np.bool_))
+                if kv_len == self.shapes.kv_buckets[0]:  # one verify program serves every bound
+                    self._dispatch_verify(rows, proposals, counts, q, np.zeros(size, np.bool_))
 
     def _drafted(self, rows: np.ndarray, drafting: dict[int, np.ndarray], table: np.ndarray, k: int, kv_len: int):
         """(proposals [g, k], q [g, k, V]) on the device from the engine's drafter, the draft model or
@@ -565,7 +571,14 @@ class BatchEngine:
         state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type),
                              self.device)
         calls = [(name, _with_state(args, state), statics) for name, args, statics in self._declared_calls()]
-        self.steps.compile_all(calls, then=self._first_runs)
+        # refuse before the host's limit on memory maps aborts the process (`MapBudget`)
+        budget, before = MapBudget(len(calls)), self.steps.summary()["executables"]
+
+        def ready(name: str, args: tuple, statics: dict[str, Any]) -> None:
+            budget.check(self.steps.summary()["executables"] - before)
+            self._first_runs(name, args, statics)
+
+        self.steps.compile_all(calls, then=ready)
         if self.prefix_cache is None:
             return len(calls)
         copies = self.prefix_cache.declared_calls(self.device.cache)
@@ -710,12 +723,12 @@ class BatchEngine:
                 {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_buckets,
                  "row_invariant": self.batch_invariant})
 
-    def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
+    def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, q=None,
                      drafted: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
         extra = () if q is None else (q, jnp.asarray(drafted))
         return ((self.params, self.device, jnp.asarray(self.want_logprobs), jnp.asarray(rows, jnp.int32),
                  jnp.asarray(proposals, jnp.int32), jnp.asarray(num_proposed, jnp.int32), *extra),
-                {"config": self.config, "precision": self.precision, "kv_len": kv_len})
+                {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_buckets})
 
     @_replayed
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None):
@@ -774,12 +787,12 @@ class BatchEngine:
             if last:
                 break
 
-    def _dispatch_verify(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, kv_len: int, q=None,
+    def _dispatch_verify(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, q=None,
                          drafted: np.ndarray | None = None):
-        """Enqueue one verify step of the group `rows` (steps.verify_rows); its outputs per row of `rows`,
-        as device arrays. `kv_len` must cover every active row's position + k + 1. With a draft model:
+        """Enqueue one verify step of the group `rows` (steps.verify_rows, reading the KV bucket its
+        rows' context needs); its outputs per row of `rows`, as device arrays. With a draft model:
         q [g, k, V] and `drafted` [g] (the rows whose proposals the draft drew from q)."""
-        args, statics = self._verify_args(rows, proposals, num_proposed, kv_len, q, drafted)
+        args, statics = self._verify_args(rows, proposals, num_proposed, q, drafted)
         self.device, out = self.steps.verify_rows(*args, **statics)
         return out
 
@@ -1194,16 +1207,16 @@ class BatchEngine:
         table, counts = np.zeros((len(slot_of), k), np.int32), np.zeros(len(slot_of), np.int32)
         for j, proposed in proposals.items():
             table[j, : len(proposed)], counts[j] = proposed, len(proposed)
-        rows, kv_len = np.asarray(slot_of, np.int32), self._kv_bound_after(k + 1)
+        rows = np.asarray(slot_of, np.int32)
         if self.drafter is None and self.mtp is None:
-            out = self._dispatch_verify(rows, table, counts, kv_len)
-        else:  # one verify shape per (group, k, kv_len) with or without draft rows: q unused when none drafts
+            out = self._dispatch_verify(rows, table, counts)
+        else:  # one verify shape per (group, k) with or without draft rows: q unused when none drafts
             drafted = np.isin(np.arange(len(slot_of)), list(drafting))
             if drafting:
-                table, q = self._drafted(rows, drafting, table, k, kv_len)
+                table, q = self._drafted(rows, drafting, table, k, self._kv_bound_after(k + 1))
             else:
                 q = jnp.zeros((len(slot_of), k, self.config.vocab_size), jnp.float32)
-            out = self._dispatch_verify(rows, table, counts, kv_len, q, drafted)
+            out = self._dispatch_verify(rows, table, counts, q, drafted)
         drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
         if self.drafter is not None:  # the draft's cache now holds the accepted tokens (but one)
             for j, context in drafting.items():

@@ -507,3 +507,63 @@ def measure_read_bandwidth(size_mib: int = 512, repeats: int = 7, threads: int |
         thread.join()
     seconds = [max(s[p][1] for s in spans) - min(s[p][0] for s in spans) for p in range(passes)]
     return buffer.nbytes / float(np.median(seconds[1:])) / 1e9
+
+
+# ------------------------------------------------------------------------- memory maps (host JIT)
+MAP_SHARE = 0.9  # of the process's limit on memory maps that the declared programs may be projected to hold
+
+
+class MapLimitError(RuntimeError):
+    """Warm-up stopped: the declared programs would hold more memory maps than the process may."""
+
+
+def memory_maps() -> int | None:
+    """The memory maps this process holds (/proc/self/maps); None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def max_map_count() -> int | None:
+    """The kernel's limit on one process's memory maps (vm.max_map_count); None where /proc does not say."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class MapBudget:
+    """The memory maps of `programs` programs compiled or loaded for one warm-up, against the process's
+    limit. XLA:CPU's JIT maps each compiled kernel's code and data on its own: a program of the
+    built-in model holds about 800 maps (28,425 for the 35 programs of `serve --speculative ngram`,
+    2026-12-06), and at the limit (65,530 by default on Linux) LLVM aborts the whole process with
+    "Unable to allocate section memory" (the 59 programs that start used to declare reached 61,291
+    maps, then it aborted). `check` as programs become ready refuses first, with the arithmetic."""
+
+    programs: int
+    limit: int | None = dataclasses.field(default_factory=lambda: max_map_count())
+    start: int | None = dataclasses.field(default_factory=lambda: memory_maps())
+
+    def check(self, done: int) -> None:
+        """`done` of the programs are compiled or loaded (others may be part-way: they count in the
+        maps, not in `done`, so the estimate errs high by at most the ones in flight): raise
+        MapLimitError when the rest, at the maps each done one added on average, would take the
+        process past MAP_SHARE of its limit."""
+        used = memory_maps()
+        if self.limit is None or self.start is None or used is None or done <= 0:
+            return
+        per_program = max(used - self.start, 0) / done
+        left = max(self.programs - done, 0)
+        projected = used + per_program * left
+        if projected > MAP_SHARE * self.limit:
+            raise MapLimitError(
+                f"the {self.programs} declared programs would hold about {projected:,.0f} memory maps: "
+                f"{used:,} now with {done} ready (about {per_program:,.0f} each: XLA's JIT maps every compiled "
+                f"kernel) and {left} to go, over {MAP_SHARE:.0%} of this process's limit of {self.limit:,} "
+                f"(vm.max_map_count), at which the compiler aborts the process. Raise the limit "
+                f"(sysctl -w vm.max_map_count=262144) or declare fewer shapes (--max-batch, --max-model-len, "
+                f"--speculative off)")

@@ -417,8 +417,16 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, ad
         lambda: choose_ids(apply_penalties(logits, state), state), lambda: choose_ids(logits, state),
     )
 
+    return (ids, *logprobs_of(logits_in, ids, want_logprobs), counted(state, ids, advance))
+
+
+def logprobs_of(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array):
+    """(logprob of ids [B], top ids [B, K] i32, top logprobs [B, K]) of the model's distribution
+    (logits [B, V] before penalties and temperature); computed only when some row asks
+    (`want_logprobs` [B] bool), zeros otherwise."""
+
     def logprobs():
-        lp = jax.nn.log_softmax(logits_in, axis=-1)
+        lp = jax.nn.log_softmax(logits, axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return jnp.take_along_axis(lp, ids[:, None], axis=1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
@@ -427,9 +435,12 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, ad
         return (jnp.zeros(B, jnp.float32), jnp.zeros((B, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((B, MAX_LOGPROBS), jnp.float32))
 
-    chosen_lp, top_ids, top_lp = jax.lax.cond(jnp.any(want_logprobs), logprobs, no_logprobs)
-    rows = jnp.arange(logits.shape[0])
+    return jax.lax.cond(jnp.any(want_logprobs), logprobs, no_logprobs)
+
+
+def counted(state: SamplingState, ids: jax.Array, advance: jax.Array | None = None) -> SamplingState:
+    """`state` after the rows with `advance` [B] bool (None: all) drew ids [B]: their step moves on
+    and the token is counted for the penalties."""
     count = jnp.ones_like(state.step) if advance is None else advance.astype(state.step.dtype)
-    new_state = dataclasses.replace(state, step=state.step + count,
-                                    output_counts=state.output_counts.at[rows, ids].add(count))
-    return ids, chosen_lp, top_ids, top_lp, new_state
+    return dataclasses.replace(state, step=state.step + count,
+                               output_counts=state.output_counts.at[jnp.arange(ids.shape[0]), ids].add(count))

@@ -148,8 +148,8 @@ class ShapePlan:
         return next((rows for rows in sizes if rows >= prompts), sizes[-1])
 
     @property
-    def verify_shapes(self) -> list[tuple[int, int]]:
-        """(group size, KV bound) of every compiled speculative verify step (and drafter step); a
-        decode step is one program per group and a one-slot prefill chunk one per bucket, whatever
-        the bound (`forward`'s tuple of bounds)."""
+    def draft_shapes(self) -> list[tuple[int, int]]:
+        """(group size, KV bound) of every compiled drafter step (a draft model's or MTP assistant's
+        proposals); a decode step and a verify step are one program per group and a one-slot prefill
+        chunk one per bucket, whatever the bound (`forward`'s tuple of bounds)."""
         return [(size, kv_len) for size in self.decode_groups for kv_len in self.kv_buckets]

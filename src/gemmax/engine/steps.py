@@ -41,7 +41,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from gemmax.engine.draft import draft_rule, probabilities
-from gemmax.engine.sampling import SamplingState, choose_ids, sample, set_row
+from gemmax.engine.sampling import (
+    SamplingState,
+    apply_penalties,
+    choose_ids,
+    counted,
+    logprobs_of,
+    sample,
+    set_row,
+)
 from gemmax.model.config import ModelConfig
 from gemmax.model.forward import Precision, forward
 from gemmax.model.kv_cache import KVCache, init_cache
@@ -263,33 +271,40 @@ def decode_forward(params, device: DeviceState, rows=None, *, config, precision,
                                hidden=None if hidden is None else device.hidden.at[rows].set(hidden)), logits
 
 
-def _later_steps(state: SamplingState, k: int) -> SamplingState:
-    """Each row's settings repeated for its next k generation steps ([B * k] rows, steps s+1 .. s+k),
-    without the [B, V] counts (`choose_ids` does not read them)."""
+def _per_position(state: SamplingState, n: int) -> SamplingState:
+    """Each row's settings repeated for its next n generation steps ([B * n] rows, steps s .. s+n-1),
+    without the [B, V] counts (`choose_ids` and `probabilities` do not read them)."""
     light = dataclasses.replace(state, output_counts=None, prompt_mask=None)
-    repeated = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), light)
-    steps = (state.step[:, None] + jnp.arange(1, k + 1, dtype=state.step.dtype)[None, :]).reshape(-1)
+    repeated = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), light)
+    steps = (state.step[:, None] + jnp.arange(n, dtype=state.step.dtype)[None, :]).reshape(-1)
     return dataclasses.replace(repeated, step=steps)
 
 
 def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed, config, precision, kv_len,
-            q=None, drafted=None):
+            q=None, drafted=None, rows=None):
     """One verify step (module docstring) for every row: proposals [B, k] i32, of which the first
     num_proposed [B] are real. A row with none proposed steps exactly as a decode step; rows with
     remaining == 0 are idle. A row never gets more tokens than it still owes. Proposed positions of
     rows with penalties are drawn without them: the engine proposes nothing for such rows.
     `q` [B, k, V]: the distributions a draft model drew the proposals of the rows `drafted` [B] bool
-    from; those rows, when sampled, take the rejection rule with q (gemmax.engine.draft.draft_rule)."""
+    from; those rows, when sampled, take the rejection rule with q (gemmax.engine.draft.draft_rule).
+    `rows` [B]: the cache row of each row, written and read in place (`forward`; None: row b)."""
     B, k = proposals.shape
     active = device.remaining > 0
     num_proposed = jnp.where(active, jnp.clip(num_proposed, 0, device.remaining - 1), 0)
     tokens = jnp.concatenate([device.tokens[:, None], proposals], axis=1)  # [B, k+1]
     logits, cache, *h = forward(params, device.cache, tokens, device.positions,
                                 jnp.where(active, num_proposed + 1, 0), config=config, precision=precision,
-                                logits="all", kv_len=kv_len, hidden=device.hidden is not None)  # [B, k+1, V]
-    first, lp, top_ids, top_lp, sampling = sample(logits[:, 0], device.sampling, want_logprobs, active)
-    later = choose_ids(logits[:, 1:].reshape(B * k, -1), _later_steps(device.sampling, k)).reshape(B, k)
-    drawn = jnp.concatenate([first[:, None], later], axis=1)  # [B, k+1]: the target's token after each input
+                                logits="all", kv_len=kv_len, hidden=device.hidden is not None, rows=rows)  # [B, k+1, V]
+    # Every position's draw in one sampler (a program with one copy of it, where `sample` and a
+    # second call held three): the first as the decode step draws it (`sample`: with the row's
+    # penalties, which leave a row without them exactly as it is: x / 1, x * 1, x - 0), the later ones
+    # at steps s+1 .. s+k without them (rows with penalties get no proposals).
+    first = apply_penalties(logits[:, 0], device.sampling)
+    drawn = choose_ids(logits.at[:, 0].set(first).reshape(B * (k + 1), -1),
+                       _per_position(device.sampling, k + 1)).reshape(B, k + 1)  # the target's token after each input
+    lp, top_ids, top_lp = logprobs_of(logits[:, 0], drawn[:, 0], want_logprobs)
+    sampling = counted(device.sampling, drawn[:, 0], active)
     agree = (proposals == drawn[:, :k]) & (jnp.arange(k)[None, :] < num_proposed[:, None])
     accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # [B] leading agreements
     if q is not None:
@@ -318,7 +333,7 @@ def _draft_ruled(logits, before: SamplingState, after: SamplingState, proposals,
     with q: logits [B, k+1, V] of the target; `before` / `after` the sampling state before and after
     the first position's draw (its count moves to the rule's first token). -> (drawn, accepted, after)."""
     B, k = proposals.shape
-    p = probabilities(logits.reshape(B * (k + 1), -1), _later_steps(before, k + 1)).reshape(B, k + 1, -1)
+    p = probabilities(logits.reshape(B * (k + 1), -1), _per_position(before, k + 1)).reshape(B, k + 1, -1)
     ruled_drawn, ruled_accepted = draft_rule(p, q, proposals, num_proposed, before.key, before.step)
     new_first = jnp.where(ruled, ruled_drawn[:, 0], drawn[:, 0])
     count = active.astype(jnp.int32)
@@ -332,12 +347,15 @@ def _draft_ruled(logits, before: SamplingState, after: SamplingState, proposals,
 def verify_rows(params, device: DeviceState, want_logprobs, rows, proposals, num_proposed, q=None, drafted=None, *,
                 config, precision, kv_len=None):
     """One verify step (`_verify`) for the slots `rows` [g]: proposals [g, k], num_proposed [g];
-    with a draft model, q [g, k, V] and drafted [g] bool (`_verify`). `kv_len` must cover every row's
-    position + k + 1: the proposed positions are written inside the gathered slots. Returns (device,
-    (drawn [g, k+1], accepted [g], logprob, top ids, top logprobs of each row's first draw, active [g]))."""
-    sub, out = _verify(params, _gather(device, rows, kv_len), want_logprobs[rows], proposals, num_proposed, config,
-                       precision, kv_len, q, drafted)
-    return _scatter(device, sub, rows, kv_len), out
+    with a draft model, q [g, k, V] and drafted [g] bool (`_verify`). The rows' k + 1 positions are
+    written into their cache rows in place, and each layer reads its rows' past as a prefill chunk
+    does (`forward`'s `rows`). `kv_len`: the tuple of KV buckets, among which the step reads the
+    smallest that holds every row's past, chosen on the device: one program per group and k for every
+    context length (or a bound at least every row's position). Returns (device, (drawn [g, k+1],
+    accepted [g], logprob, top ids, top logprobs of each row's first draw, active [g]))."""
+    sub, out = _verify(params, _gather(device, rows, cache=False), want_logprobs[rows], proposals, num_proposed,
+                       config, precision, kv_len, q, drafted, rows)
+    return _scatter(device, sub, rows, cache=False), out
 
 
 @functools.partial(jax.jit, donate_argnames=("device",))
