@@ -425,17 +425,18 @@ def test_shutdown_ends_every_queued_and_running_request(loaded):
 
 
 def test_a_warm_up_past_the_limit_on_memory_maps_stops_with_the_arithmetic(loaded, monkeypatch):
-    """A host whose limit on memory maps (vm.max_map_count) is what the process holds already: warm-up
-    stops at the first program ready, with the numbers (XLA:CPU's JIT maps each compiled kernel, and
-    at the real limit LLVM aborts the process; the projection's arithmetic: tests/test_memory.py)."""
+    """A host whose limit on memory maps (vm.max_map_count) is below what the process holds already:
+    warm-up stops at the first program ready, with the numbers (XLA:CPU's JIT maps each compiled
+    kernel, and at the real limit LLVM aborts the process; the projection's arithmetic:
+    tests/test_memory.py)."""
     from gemmax.engine import memory
 
-    start = memory.memory_maps()  # the maps a program adds vary, and other memory may be unmapped meanwhile
-    monkeypatch.setattr(memory, "max_map_count", lambda: start)
+    monkeypatch.setattr(memory, "max_map_count", lambda: 1)
     # the shapes of the shutdown test's engine: their programs are loaded from the session's store
     eng = BatchEngine(loaded, max_model_len=64, max_batch=1, buckets=(8,)).start()
     with pytest.raises(RuntimeError, match="memory maps") as failed:
         eng.wait_ready(300)
+    assert isinstance(failed.value.__cause__, memory.MapLimitError)
     assert "vm.max_map_count" in str(failed.value) and "to go" in str(failed.value)
     assert not eng.ready
     eng.shutdown(drain_timeout=0)

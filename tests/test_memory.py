@@ -269,7 +269,8 @@ def test_map_budget_refuses_with_the_arithmetic_before_the_limit():
     with pytest.raises(MapLimitError) as refused:
         MapBudget(10, limit=used + 6000, start=used - 4000).check(4)
     message = str(refused.value)
-    assert re.search(r"about 1,00\d each", message) and "6 to go" in message and f"{used + 6000:,}" in message
+    each = int(re.search(r"about ([\d,]+) each", message)[1].replace(",", ""))
+    assert 950 <= each <= 1050 and "6 to go" in message and f"{used + 6000:,}" in message  # the maps move a little
     assert "vm.max_map_count" in message
     MapBudget(10, limit=int((used + 6000) / MAP_SHARE) + 2000, start=used - 4000).check(4)
     MapBudget(10, limit=None, start=used).check(4)  # no limit known: nothing to check

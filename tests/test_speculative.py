@@ -164,6 +164,28 @@ def test_greedy_speculative_equals_plain_for_every_k_in_a_mixed_batch(engine, mo
             assert stats.accepted_lengths[0] and len(stats.accepted_lengths) == specs[i].k + 1, stats
 
 
+def test_rows_with_penalties_or_logprobs_beside_speculating_rows_get_their_own_tokens(engine):
+    """A request with penalties and one with logprobs decode plainly, but beside a speculating
+    request they take their tokens from the group's verify steps (the first position's draw, with
+    their penalties, logprobs and counts): both give what they give alone."""
+    penalised = GenerationRequest(_prompts(1, seed=5)[0], 30, SamplingParams(frequency_penalty=0.8,
+                                                                               presence_penalty=0.5), ignore_eos=True)
+    logged = GenerationRequest(_prompts(1, seed=6)[0], 30, logprobs=2, ignore_eos=True)
+    alone = {name: list(engine.submit(r)) for name, r in (("penalised", penalised), ("logged", logged))}
+    for name, request in (("penalised", penalised), ("logged", logged)):
+        speculating = _run(engine, _prompts(1, seed=7)[0], 60, Speculation("ngram", 4))
+        beside = list(engine.submit(request))
+        assert speculating.wait().speculation.steps > 0
+        assert [e.token_id for e in beside] == [e.token_id for e in alone[name]], name
+        for got, want in zip(beside, alone[name], strict=True):
+            assert (got.top_logprobs is None) == (want.top_logprobs is None) == (name == "penalised")
+            if want.top_logprobs is None:
+                continue
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+            np.testing.assert_allclose([got.logprob, *(lp for _, lp in got.top_logprobs)],
+                                       [want.logprob, *(lp for _, lp in want.top_logprobs)], atol=1e-5)
+
+
 def test_all_rejected_proposals_stops_and_budgets_inside_accepted_tokens(engine, monkeypatch):
     prompt = _prompts(1, seed=3)[0]
     reference = _run(engine, prompt, 50, PLAIN).wait().token_ids

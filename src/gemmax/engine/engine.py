@@ -32,9 +32,9 @@ on disk as executables that the next start loads (gemmax.engine.executables):
     verify[k]         (speculative decoding only) tokens [g, k + 1] for each decode group g and each
                       proposal length k in SPEC_KS: one step scores k proposed tokens per row,
                       written into the rows' cache in place as a prefill chunk is
-    x kv_len          a batched prefill per KV-length bucket (it reads the smallest), and a draft
-                      model's or MTP assistant's proposal step per bucket too: a step reads only the
-                      cache slots its context can use (full layers; rings not yet wrapped). A
+    x kv_len          a draft model's or MTP assistant's proposal step per KV-length bucket (a
+                      batched prefill reads the smallest only): a step reads only the cache slots
+                      its context can use (full layers; rings not yet wrapped). A
                       one-slot prefill chunk, a decode forward and a verify step choose their bucket
                       on the device instead, layer by layer (`forward`'s tuple of bounds): one
                       program for every context length
@@ -102,7 +102,7 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.draft import Drafter, check_draft
-from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore
+from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore, compile_threads
 from gemmax.engine.memory import MapBudget, check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.mtp import MtpProposer, check_mtp
@@ -484,7 +484,7 @@ class BatchEngine:
                 self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
             self._init_prefix_cache()
-            declared = self._compile_declared()
+            declared, maps = self._compile_declared()
             jax.block_until_ready(self.device)
             compiled = time.perf_counter()
             # Then the request path's small helper kernels (slot updates, sampling rows), compiled on
@@ -493,18 +493,13 @@ class BatchEngine:
             self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
             self._throwaway_group()
             if self.drafter is not None or self.mtp is not None:
-                self._warm_up_drafter()
+                self._warm_up_drafter(maps)
             jax.block_until_ready(self.device)
             seconds = time.perf_counter() - started
         self._init_device_state()
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
             self.prefix_cache.clear()
-        # the drafter's: a draft model's prefill per bucket, its proposal per (group, KV bound, k),
-        # the verify step with q per (group, k)
-        proposals, verifies = len(self.shapes.draft_shapes), len(self.shapes.decode_groups)
-        drafted = (proposals + verifies) * len(self.spec_ks)
-        shapes = declared + (0 if self.drafter is None else len(self.shapes.buckets) + drafted)
-        shapes += 0 if self.mtp is None else drafted
+        shapes = declared + self._drafter_programs()
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
@@ -518,7 +513,7 @@ class BatchEngine:
         """(step, args, statics) of every declared shape, built as the device calls build them: the
         one-slot prefill of every bucket and the batched ones, the sampler of every row count, the
         decode forward of every decode group, and the verify steps of speculative decoding (per
-        group, KV bound and k)."""
+        group and k; with a drafter, `_warm_up_drafter`'s)."""
         calls = [("prefill_step", *self._prefill_args(np.zeros((1, bucket), np.int32), 0, 0, 1, True))
                  for bucket in self.shapes.buckets]
         calls += [("prefill_rows", *self._prefill_rows_args(np.zeros((rows, bucket), np.int32), np.arange(rows), 0,
@@ -539,21 +534,32 @@ class BatchEngine:
                       for size in self.shapes.decode_groups for k in self.spec_ks]
         return calls
 
-    def _warm_up_drafter(self) -> None:
+    def _drafter_programs(self) -> int:
+        """The programs `_warm_up_drafter` compiles: a draft model's prefill per bucket, its or the MTP
+        assistant's proposal step per (group, KV bound, k), the verify step with q per (group, k)."""
+        if self.drafter is None and self.mtp is None:
+            return 0
+        drafted = (len(self.shapes.draft_shapes) + len(self.shapes.decode_groups)) * len(self.spec_ks)
+        return drafted + (0 if self.drafter is None else len(self.shapes.buckets))
+
+    def _warm_up_drafter(self, maps: MapBudget) -> None:
         """The drafter's shapes, run once each (its steps are jitted, not ahead of time; a draft
         model's prefill at start 0 only, so its later chunks' past branches set up on first use): a
-        draft model's prefill per bucket with a 1-token dummy chunk, then per decode group, k
-        and KV bound the proposal step (`_drafted`), and per decode group and k the target's verify
-        step with q (all rows idle: nothing is kept)."""
+        draft model's prefill per bucket with a 1-token dummy chunk, then per decode group and k the
+        proposal step at each KV bound (`_drafted`) and the target's verify step with q (all rows
+        idle: nothing is kept); `maps` checked after each (`MapBudget`)."""
         if self.drafter is not None:
             for bucket in self.shapes.buckets:
                 self.drafter.run_prefill(np.zeros((1, bucket), np.int32), 0, 0, 1)
-        for size, kv_len in self.shapes.draft_shapes:
+                maps.check()
+        for size in self.shapes.decode_groups:
+            rows, counts = np.arange(size, dtype=np.int32), np.zeros(size, np.int32)
             for k in self.spec_ks:
-                rows, table, counts = np.arange(size, dtype=np.int32), np.zeros((size, k), np.int32), np.zeros(size, np.int32)
-                proposals, q = self._drafted(rows, {}, table, k, kv_len)
-                if kv_len == self.shapes.kv_buckets[0]:  # one verify program serves every bound
-                    self._dispatch_verify(rows, proposals, counts, q, np.zeros(size, np.bool_))
+                for kv_len in self.shapes.kv_buckets:
+                    proposals, q = self._drafted(rows, {}, np.zeros((size, k), np.int32), k, kv_len)
+                    maps.check()
+                self._dispatch_verify(rows, proposals, counts, q, np.zeros(size, np.bool_))
+                maps.check()
 
     def _drafted(self, rows: np.ndarray, drafting: dict[int, np.ndarray], table: np.ndarray, k: int, kv_len: int):
         """(proposals [g, k], q [g, k, V]) on the device from the engine's drafter, the draft model or
@@ -564,26 +570,28 @@ class BatchEngine:
         return self.drafter.propose(rows, drafting, self.device.sampling, table, k, kv_len)
 
     @_replayed
-    def _compile_declared(self) -> int:
+    def _compile_declared(self) -> tuple[int, MapBudget]:
         """Compile (or load) every declared shape; each process of a mesh compiles its own. Returns
-        how many shapes are declared."""
+        how many shapes are declared, and the memory-map budget of the warm-up's programs (these
+        and the drafter's), checked as each became ready."""
         # The compile threads lower from the state's shapes, never from the arrays the runs donate.
         state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type),
                              self.device)
         calls = [(name, _with_state(args, state), statics) for name, args, statics in self._declared_calls()]
         # refuse before the host's limit on memory maps aborts the process (`MapBudget`)
-        budget, before = MapBudget(len(calls)), self.steps.summary()["executables"]
+        maps = MapBudget(len(calls) + self._drafter_programs(), parallel=compile_threads(len(calls)))
+        before = self.steps.summary()["executables"]
 
         def ready(name: str, args: tuple, statics: dict[str, Any]) -> None:
-            budget.check(self.steps.summary()["executables"] - before)
+            maps.check(self.steps.summary()["executables"] - before)
             self._first_runs(name, args, statics)
 
         self.steps.compile_all(calls, then=ready)
         if self.prefix_cache is None:
-            return len(calls)
+            return len(calls), maps
         copies = self.prefix_cache.declared_calls(self.device.cache)
         self.prefix_cache.steps.compile_all(copies)
-        return len(calls) + len(copies)
+        return len(calls) + len(copies), maps
 
     def _first_runs(self, name: str, args: tuple, statics: dict[str, Any]) -> None:
         """Dispatch the first run of a declared step on the engine's idle rows (its dummy arguments from

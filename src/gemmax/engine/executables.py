@@ -221,6 +221,11 @@ class CompiledStep:
         return self.run(*args, **statics)[0]
 
 
+def compile_threads(programs: int) -> int:
+    """Threads `CompiledSteps.compile_all` compiles `programs` programs on by default: one per CPU."""
+    return max(1, min(programs, os.cpu_count() or 1))
+
+
 class CompiledSteps:
     """The engine's steps (a namespace of jitted functions) as `CompiledStep`s; anything else in the
     namespace (the state's initialiser) passes through."""
@@ -244,7 +249,7 @@ class CompiledSteps:
         soon as its program is ready, while the threads go on with the rest (the engine dispatches
         each program's first run there: it overlaps the next compiles or loads, in the same order in
         every process)."""
-        workers = threads or max(1, min(len(calls), os.cpu_count() or 1))
+        workers = threads or compile_threads(len(calls))
         new = 0
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gemmax-compile") as pool:
             try:

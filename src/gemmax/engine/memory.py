@@ -521,7 +521,7 @@ def memory_maps() -> int | None:
     """The memory maps this process holds (/proc/self/maps); None where /proc does not say."""
     try:
         with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
+            return f.read().count(b"\n")
     except OSError:
         return None
 
@@ -542,28 +542,33 @@ class MapBudget:
     built-in model holds about 800 maps (28,425 for the 35 programs of `serve --speculative ngram`,
     2026-12-06), and at the limit (65,530 by default on Linux) LLVM aborts the whole process with
     "Unable to allocate section memory" (the 59 programs that start used to declare reached 61,291
-    maps, then it aborted). `check` as programs become ready refuses first, with the arithmetic."""
+    maps, then it aborted). `check` as programs become ready refuses first, with the arithmetic.
+    `parallel`: programs compiled at once; the ones in flight already hold maps but are not counted
+    ready, so the projection waits until that many are ready (before, only the maps now count)."""
 
     programs: int
+    parallel: int = 1
+    # read when the budget is made (lambdas: looked up then, so a test can set the limit)
     limit: int | None = dataclasses.field(default_factory=lambda: max_map_count())
     start: int | None = dataclasses.field(default_factory=lambda: memory_maps())
+    done: int = 0
 
-    def check(self, done: int) -> None:
-        """`done` of the programs are compiled or loaded (others may be part-way: they count in the
-        maps, not in `done`, so the estimate errs high by at most the ones in flight): raise
-        MapLimitError when the rest, at the maps each done one added on average, would take the
-        process past MAP_SHARE of its limit."""
+    def check(self, done: int | None = None) -> None:
+        """`done` of the programs are compiled or loaded (None: one more than at the last check):
+        raise MapLimitError when the rest, at the maps each done one added on average, would take
+        the process past MAP_SHARE of its limit."""
+        self.done = self.done + 1 if done is None else done
         used = memory_maps()
-        if self.limit is None or self.start is None or used is None or done <= 0:
+        if self.limit is None or self.start is None or used is None or self.done <= 0:
             return
-        per_program = max(used - self.start, 0) / done
-        left = max(self.programs - done, 0)
+        per_program = max(used - self.start, 0) / self.done if self.done >= self.parallel else 0.0
+        left = max(self.programs - self.done, 0)
         projected = used + per_program * left
         if projected > MAP_SHARE * self.limit:
             raise MapLimitError(
-                f"the {self.programs} declared programs would hold about {projected:,.0f} memory maps: "
-                f"{used:,} now with {done} ready (about {per_program:,.0f} each: XLA's JIT maps every compiled "
-                f"kernel) and {left} to go, over {MAP_SHARE:.0%} of this process's limit of {self.limit:,} "
+                f"this process would hold about {projected:,.0f} memory maps after the {self.programs} declared "
+                f"programs: {used:,} now with {self.done} ready (about {per_program:,.0f} each: XLA's JIT maps "
+                f"every compiled kernel) and {left} to go, over {MAP_SHARE:.0%} of its limit of {self.limit:,} "
                 f"(vm.max_map_count), at which the compiler aborts the process. Raise the limit "
                 f"(sysctl -w vm.max_map_count=262144) or declare fewer shapes (--max-batch, --max-model-len, "
                 f"--speculative off)")

@@ -1,5 +1,5 @@
 """Shape planning, pure functions of the deployment's sizes: the prefill buckets, how a prompt is
-split into chunks of them, the KV-length buckets, and the batched prefill and verify shapes a
+split into chunks of them, the KV-length buckets, and the batched prefill and drafter shapes a
 warm-up must compile. Nothing here touches a device."""
 
 from __future__ import annotations

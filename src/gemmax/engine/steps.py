@@ -5,10 +5,11 @@ returning the last chunk's logits, a decode step's forward of every slot or of a
 first token or a decode step's next, one program per row count, not a copy in every bucket, KV
 bound and group's program), and the speculative verify step of a group of slots, over one
 `DeviceState` pytree that each donates and returns. Each takes `config`, `precision` and `kv_len`
-as static arguments: the cache slots it reads, or for `prefill_step` and `decode_forward` the tuple
-of KV buckets among which each layer reads the one its rows need, chosen on the device. So the
-engine's compiled shapes are exactly what it warms up: one prefill program per bucket, one decode
-forward per group, and the batched prefill and verify steps per shape and KV bound. `decode_step`
+as static arguments: the cache slots it reads, or for `prefill_step`, `decode_forward` and
+`verify_rows` the tuple of KV buckets among which each layer reads the one its rows need, chosen on
+the device. So the engine's compiled shapes are exactly what it warms up: one prefill program per
+bucket, one decode forward per group, the batched prefill steps per shape (at the smallest KV
+bucket) and a verify step per group and k. `decode_step`
 is the two halves of a full-batch step in one program: what the profiler traces and the decode
 benchmarks time (one module per step).
 
