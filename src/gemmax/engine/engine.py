@@ -539,7 +539,7 @@ class BatchEngine:
         assistant's proposal step per (group, KV bound, k), the verify step with q per (group, k)."""
         if self.drafter is None and self.mtp is None:
             return 0
-        drafted = (len(self.shapes.draft_shapes) + len(self.shapes.decode_groups)) * len(self.spec_ks)
+        drafted = len(self.shapes.decode_groups) * (len(self.shapes.kv_buckets) + 1) * len(self.spec_ks)
         return drafted + (0 if self.drafter is None else len(self.shapes.buckets))
 
     def _warm_up_drafter(self, maps: MapBudget) -> None:

@@ -551,7 +551,7 @@ class MapBudget:
     # read when the budget is made (lambdas: looked up then, so a test can set the limit)
     limit: int | None = dataclasses.field(default_factory=lambda: max_map_count())
     start: int | None = dataclasses.field(default_factory=lambda: memory_maps())
-    done: int = 0
+    done: int = dataclasses.field(default=0, init=False)  # programs ready at the last check
 
     def check(self, done: int | None = None) -> None:
         """`done` of the programs are compiled or loaded (None: one more than at the last check):

@@ -1,6 +1,6 @@
 """Shape planning, pure functions of the deployment's sizes: the prefill buckets, how a prompt is
-split into chunks of them, the KV-length buckets, and the batched prefill and drafter shapes a
-warm-up must compile. Nothing here touches a device."""
+split into chunks of them, the KV-length buckets, and the batched prefill shapes a warm-up must
+compile. Nothing here touches a device."""
 
 from __future__ import annotations
 
@@ -146,10 +146,3 @@ class ShapePlan:
         if prompts < sizes[0]:
             return None
         return next((rows for rows in sizes if rows >= prompts), sizes[-1])
-
-    @property
-    def draft_shapes(self) -> list[tuple[int, int]]:
-        """(group size, KV bound) of every compiled drafter step (a draft model's or MTP assistant's
-        proposals); a decode step and a verify step are one program per group and a one-slot prefill
-        chunk one per bucket, whatever the bound (`forward`'s tuple of bounds)."""
-        return [(size, kv_len) for size in self.decode_groups for kv_len in self.kv_buckets]
