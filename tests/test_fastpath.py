@@ -25,6 +25,7 @@ from gemmax.engine.fastpath import (
     prepare_params,
     split_columns,
 )
+from gemmax.engine.hlo import HloIndex
 from gemmax.engine.policy import choose_policy
 from gemmax.engine.shapes import kv_buckets
 from gemmax.model.config import E2B_TEXT_CONFIG, FULL, SLIDING, ModelConfig
@@ -266,6 +267,26 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
     hlo = getattr(steps, step).lower(params, device, *args, config=config, precision=precision,
                                      kv_len=kv_len).compile().as_text()
     assert cache_rewrites(hlo, _cache_shapes(device.cache)) == []
+    if step == "verify_rows":  # nor copies or rewrites its [g, k + 1, V] logits (`steps._verify`)
+        assert _logits_rewrites(hlo, 2 * 5 * config.vocab_size) == []
+
+
+def _logits_rewrites(hlo: str, size: int) -> list[str]:
+    """Instructions outside fusions that copy, or update in place, an f32 array of `size` elements (a
+    step's logits). A verify step that set its penalised first position into its logits, which it still
+    read afterwards, had XLA copy all of them four times and update two of the copies: 75 MB each at
+    8 rows and k = 8 on the built-in model."""
+    index = HloIndex.read(hlo)
+    fused = {i.calls for comp in index.computations.values() for i in comp.values() if i.opcode == "fusion"}
+    found = []
+    for name, comp in index.computations.items():
+        for instr in comp.values():
+            if name in fused or instr.dtype != "f32" or not instr.dims or np.prod(instr.dims) != size:
+                continue
+            _, root = index.fused(instr)
+            if instr.opcode in ("copy", "dynamic-update-slice") or (root is not None and root.opcode in ("copy", "dynamic-update-slice")):
+                found.append(f"{instr.name} = {instr.shape}")
+    return found
 
 
 def _under_conditional(index, comp: str) -> bool:

@@ -300,10 +300,15 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     # Every position's draw in one sampler (a program with one copy of it, where `sample` and a
     # second call held three): the first as the decode step draws it (`sample`: with the row's
     # penalties, which leave a row without them exactly as it is: x / 1, x * 1, x - 0), the later ones
-    # at steps s+1 .. s+k without them (rows with penalties get no proposals).
-    first = apply_penalties(logits[:, 0], device.sampling)
-    drawn = choose_ids(logits.at[:, 0].set(first).reshape(B * (k + 1), -1),
-                       _per_position(device.sampling, k + 1)).reshape(B, k + 1)  # the target's token after each input
+    # at steps s+1 .. s+k without them (rows with penalties get no proposals). The penalised first
+    # position is selected in, one pass that writes the sampler's input once: set into the logits
+    # (`.at[:, 0].set`), which are still read after it, it made XLA copy all [B, k+1, V] several
+    # times (75 MB each at 8 rows and k = 8 on the built-in model).
+    first = apply_penalties(logits[:, 0], device.sampling)[:, None]  # [B, 1, V]
+    at_first = (jnp.arange(k + 1) == 0)[None, :, None]
+    drawn = choose_ids(jnp.where(at_first, first, logits).reshape(B * (k + 1), -1),
+                       _per_position(device.sampling, k + 1))
+    drawn = drawn.reshape(B, k + 1)  # the target's token after each input
     lp, top_ids, top_lp = logprobs_of(logits[:, 0], drawn[:, 0], want_logprobs)
     sampling = counted(device.sampling, drawn[:, 0], active)
     agree = (proposals == drawn[:, :k]) & (jnp.arange(k)[None, :] < num_proposed[:, None])
