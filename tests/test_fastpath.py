@@ -272,20 +272,22 @@ def test_engine_prefill_and_verify_write_the_cache_in_place(six_layers, step):
 
 
 def _logits_rewrites(hlo: str, size: int) -> list[str]:
-    """Instructions outside fusions that copy, or update in place, an f32 array of `size` elements (a
-    step's logits). A verify step that set its penalised first position into its logits, which it still
-    read afterwards, had XLA copy all of them four times and update two of the copies: 75 MB each at
-    8 rows and k = 8 on the built-in model."""
+    """Copies (a `copy` instruction of its own) and in-place updates (dynamic-update-slice or scatter,
+    alone or inside a fusion) of float32 arrays of `size` elements: a step's logits. (A copy inside a
+    fusion is a layout change computed on the way, not a buffer.) A verify step that set its penalised
+    first position into its logits, which it still read afterwards, had XLA copy all of them four
+    times and update two of the copies: 75 MB each at 8 rows and k = 8 on the built-in model."""
     index = HloIndex.read(hlo)
     fused = {i.calls for comp in index.computations.values() for i in comp.values() if i.opcode == "fusion"}
     found = []
     for name, comp in index.computations.items():
+        if name in fused:  # reached through its fusion's body below
+            continue
         for instr in comp.values():
-            if name in fused or instr.dtype != "f32" or not instr.dims or np.prod(instr.dims) != size:
-                continue
-            _, root = index.fused(instr)
-            if instr.opcode in ("copy", "dynamic-update-slice") or (root is not None and root.opcode in ("copy", "dynamic-update-slice")):
-                found.append(f"{instr.name} = {instr.shape}")
+            for op in index.body(instr):
+                rewrites = op.opcode in ("dynamic-update-slice", "scatter") or (op is instr and op.opcode == "copy")
+                if rewrites and op.dtype == "f32" and op.dims and np.prod(op.dims) == size:
+                    found.append(f"{instr.name}: {op.name} = {op.shape}")
     return found
 
 
