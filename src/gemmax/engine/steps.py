@@ -301,8 +301,8 @@ def _verify(params, device: DeviceState, want_logprobs, proposals, num_proposed,
     # second call held three): the first as the decode step draws it (`sample`: with the row's
     # penalties, which leave a row without them exactly as it is: x / 1, x * 1, x - 0), the later ones
     # at steps s+1 .. s+k without them (rows with penalties get no proposals). The penalised first
-    # position is selected in, one pass that writes the sampler's input once: set into the logits
-    # (`.at[:, 0].set`), which are still read after it, it made XLA copy all [B, k+1, V] several
+    # position is selected in as the sampler's input is written, in one pass. Set into the logits
+    # instead (`.at[:, 0].set`), which are read again below, it made XLA copy all [B, k+1, V] four
     # times (75 MB each at 8 rows and k = 8 on the built-in model).
     first = apply_penalties(logits[:, 0], device.sampling)[:, None]  # [B, 1, V]
     at_first = (jnp.arange(k + 1) == 0)[None, :, None]
