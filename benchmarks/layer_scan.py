@@ -90,6 +90,11 @@ def scanned(stacked: dict, h: jax.Array) -> jax.Array:
     return jax.lax.scan(lambda h, layer: (block(h, layer), None), h, stacked)[0]
 
 
+def stack(trees: list) -> dict:
+    """Trees of one structure as one tree, each leaf stacked along a new leading axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
 def as_bits(tree):
     """Every bfloat16 leaf as its uint16 bits (same bytes, no copy of the values' meaning)."""
     return jax.tree.map(lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w, tree)
@@ -146,9 +151,6 @@ def builtin_prototype(repeats: int, calls: int, max_len: int = 512, context: int
     period = next(p for p in range(1, n_layers + 1)
                   if n_layers % p == 0 and all(same(specs[i], specs[i % p]) for i in range(n_layers)))
     repeats_of = n_layers // period
-
-    def stack(trees):
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
     def by_period(layers):  # [period] trees, leaves stacked over the repeats of the pattern
         return tuple(stack([layers[j + r * period] for r in range(repeats_of)]) for j in range(period))
@@ -220,7 +222,7 @@ def main() -> None:
           f"{'HLO kB':>7}")
     for form in args.forms.split(","):
         layers = layer_weights(args.layers, args.hidden, args.intermediate, form)
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+        stacked = stack(layers)
         stacked_bits = as_bits(stacked)
         for rows in (int(r) for r in args.rows.split(",")):
             h = jnp.ones((rows, args.hidden), jnp.float32)

@@ -539,8 +539,9 @@ class BatchEngine:
         assistant's proposal step per (group, KV bound, k), the verify step with q per (group, k)."""
         if self.drafter is None and self.mtp is None:
             return 0
-        drafted = len(self.shapes.decode_groups) * (len(self.shapes.kv_buckets) + 1) * len(self.spec_ks)
-        return drafted + (0 if self.drafter is None else len(self.shapes.buckets))
+        per_group_and_k = len(self.shapes.kv_buckets) + 1  # a proposal step per KV bound, then the verify step
+        proposing = len(self.shapes.decode_groups) * len(self.spec_ks) * per_group_and_k
+        return proposing + (0 if self.drafter is None else len(self.shapes.buckets))
 
     def _warm_up_drafter(self, maps: MapBudget) -> None:
         """The drafter's shapes, run once each (its steps are jitted, not ahead of time; a draft
