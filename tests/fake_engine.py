@@ -312,7 +312,8 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", help="listen on this Unix socket instead of --port")
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--warmup-seconds", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=10.0)
@@ -323,7 +324,7 @@ def main() -> int:
         return fake_for(tokenizer, token_delay=args.token_delay, warmup_seconds=args.warmup_seconds).start(), tokenizer
 
     settings = ServerSettings(served_model_name="fake", drain_timeout=args.drain_timeout)
-    return serve(load, settings, port=args.port, log_level="info")
+    return serve(load, settings, port=args.port, log_level="info", uds=args.uds)
 
 
 if __name__ == "__main__":

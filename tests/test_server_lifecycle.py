@@ -119,6 +119,53 @@ def test_sigterm_drains_in_flight_requests_and_exits(tokenizer_dir):
     assert "Shutting down" in output or "Finished server process" in output
 
 
+def test_serve_and_bench_over_a_unix_socket(tokenizer_dir, tmp_path):
+    """`serve(uds=...)` (what `gemmax serve --uds` calls) listens on a Unix socket and opens no TCP
+    port (the TPU machines refuse TCP, loopback included); `gemmax bench --uds` times it from the wire
+    through that socket; the socket is served as a loopback bind, so a foreign Host is refused. One
+    repeat per cell: no run-to-run spread, so no gauge is flagged as coarser than it."""
+    import psutil
+    from typer.testing import CliRunner
+
+    from gemmax.cli import app
+
+    sock, out = tmp_path / "gemmax.sock", tmp_path / "bench.json"
+    proc = subprocess.Popen([sys.executable, str(TESTS / "fake_engine.py"), "--tokenizer", str(tokenizer_dir),
+                             "--uds", str(sock), "--token-delay", "0.005"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://localhost")
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert time.time() < deadline and proc.poll() is None, "server did not become ready"
+            with contextlib.suppress(httpx.TransportError):
+                if client.get("/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.05)
+        assert psutil.Process(proc.pid).net_connections(kind="inet") == []  # no TCP or UDP socket at all
+        refused = client.get("/health", headers={"Host": "attacker.example"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
+
+        result = CliRunner().invoke(app, ["bench", "--base-url", "http://localhost", "--uds", str(sock),
+                                          "--input-lens", "24", "--output-len", "5", "--repeats", "1",
+                                          "--concurrency", "1,2", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        run = json.loads(out.read_text())
+        assert run["label"] == f"fake@{sock}" and run["config"]["uds"] == str(sock)
+        assert [c["concurrency"] for c in run["cells"]] == [1, 2]
+        for cell in run["cells"]:
+            assert cell["flags"] == [] and cell["output_len_verified"] and cell["input_len_verified"]
+            assert all(r["success"] and r["output_tokens"] == 5 for r in cell["requests"])
+            assert cell["decode_tok_s"] > 0 and cell["ttft"]["median"] > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def test_failed_load_exits_with_status_1(caplog):
     def load():
         raise FileNotFoundError("no checkpoint at /nowhere")

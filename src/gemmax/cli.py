@@ -313,6 +313,7 @@ def serve(
     model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
     port: int = typer.Option(8000, min=0, max=65535),
+    uds: str = typer.Option(None, help="listen on this Unix socket instead of --host/--port (machines without TCP; a proxy on the same host); served as loopback"),
     max_model_len: int = typer.Option(2048, min=2, help="longest prompt + completion, tokens"),
     max_batch: int = typer.Option(8, min=1, help="decode slots (requests generated together)"),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),
@@ -377,7 +378,7 @@ def serve(
 
         return start_engine(model, dtype, quant, mesh=spec, draft_model=draft_model, **engine_options)
 
-    raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level))
+    raise typer.Exit(run_server(load, settings, host=host, port=port, log_level=log_level, uds=uds))
 
 
 cache_app = typer.Typer(help="Move JAX's persistent compilation cache between machines (tarball, path or fsspec URL).",

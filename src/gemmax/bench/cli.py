@@ -28,6 +28,8 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 def bench(
     ctx: typer.Context,
     base_url: str = typer.Option(None, help="server root, e.g. http://127.0.0.1:8000"),
+    uds: Path = typer.Option(None, help="connect through this Unix socket (a server started with `gemmax serve --uds`); "
+                             "--base-url then names the host sent, e.g. http://localhost"),
     model: str = typer.Option(None, help="model name to send; default: first entry of /v1/models"),
     input_lens: str = typer.Option("41,521,2057,3593", help="prompt lengths in tokens (exact)"),
     output_len: int = typer.Option(64, min=1, help="output tokens (forced with ignore_eos/min_tokens)"),
@@ -61,7 +63,7 @@ def bench(
 
     try:
         config = SweepConfig(
-            base_url=base_url, model=model, input_lens=_ints(input_lens, "--input-lens"), output_len=output_len,
+            base_url=base_url, uds=uds, model=model, input_lens=_ints(input_lens, "--input-lens"), output_len=output_len,
             repeats=repeats, concurrency=_ints(concurrency, "--concurrency"),
             request_rates=_floats(request_rate, "--request-rate") if request_rate else (),
             num_prompts=num_prompts, decode_source=decode_source, prompt_mode=prompt_mode,

@@ -67,6 +67,7 @@ def sampling_name(sampling: tuple[tuple[str, float | int], ...]) -> str:
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
     base_url: str
+    uds: Path | None = None  # connect through this Unix socket (base_url then only names the Host sent)
     model: str | None = None  # default: the first entry of /v1/models
     input_lens: tuple[int, ...] = (41, 521, 2057, 3593)
     output_len: int = 64
@@ -214,8 +215,9 @@ class Sweep:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         largest_round = max(self.config.round_size(c) for c, _ in cfg.load_levels())
         limits = httpx.Limits(max_connections=largest_round + 4, max_keepalive_connections=largest_round + 4)
+        transport = httpx.AsyncHTTPTransport(uds=str(cfg.uds), limits=limits) if cfg.uds is not None else None
         async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
-                                     timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
+                                     transport=transport, timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
             models = await _get_json(client, "/v1/models") or {}
             entries = models.get("data") or [{}]
             entry = next((e for e in entries if e.get("id") == cfg.model), entries[0])
@@ -244,7 +246,7 @@ class Sweep:
             degenerate_after = await degenerate_count(client)
         return {
             "schema": SCHEMA,
-            "label": cfg.label or f"{self.model}@{httpx.URL(cfg.base_url).netloc.decode()}",
+            "label": cfg.label or f"{self.model}@{cfg.uds or httpx.URL(cfg.base_url).netloc.decode()}",
             "base_url": cfg.base_url,
             "model": self.model,
             "started": started,
@@ -314,7 +316,9 @@ def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, ra
     ratio_stats = spread_stats(per_repeat["ratio"]) if source == "both" else None
     resolution = None
     if gauge_stats is not None and all_gauges:
-        resolution = gauge_resolution(all_gauges, stream_stats["spread"] if stream_stats else None)
+        # one repeat has no run-to-run spread (its 0 would flag any gauge, however fine)
+        spread = stream_stats["spread"] if stream_stats and stream_stats["n"] >= 2 else None
+        resolution = gauge_resolution(all_gauges, spread)
     headline = gauge_stats if source == "gauge" else stream_stats
 
     flags = []

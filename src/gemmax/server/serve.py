@@ -23,17 +23,21 @@ log = logging.getLogger("gemmax.server")
 
 
 def serve(load: Callable[[], tuple[Any, Any]], settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> int:
-    """`load() -> (engine, tokenizer)`; returns the process exit status."""
+          log_level: str = "info", uds: str | None = None) -> int:
+    """`load() -> (engine, tokenizer)`; returns the process exit status. `uds`: listen on this Unix
+    socket instead of host:port (a machine that refuses TCP sockets, loopback included, as the TPU
+    machines gemmax was checked on do; a reverse proxy on the same host). A socket reaches only this
+    machine, so the app treats it as a loopback bind (the Host header must name loopback)."""
     import uvicorn
 
-    settings = dataclasses.replace(settings, host=host)
-    if not is_loopback(host) and not settings.api_key:
+    settings = dataclasses.replace(settings, host="127.0.0.1" if uds is not None else host)
+    if uds is None and not is_loopback(host) and not settings.api_key:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model "
                     "(set --api-key or GEMMAX_API_KEY; docs/server.md, threat model)", host)
     app = create_app(None, None, settings)
     state = app.state.gemmax
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    bind = {"uds": uds} if uds is not None else {"host": host, "port": port}
+    server = uvicorn.Server(uvicorn.Config(app, **bind, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=settings.drain_timeout))
 
     def loader() -> None:
