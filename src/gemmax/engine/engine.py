@@ -282,6 +282,7 @@ class BatchEngine:
         self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
         self.prefix_cache: PrefixCache | None = None  # allocated at warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
+        self._constants: dict[tuple, jax.Array] = {}  # `_on_device`
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()
@@ -691,10 +692,27 @@ class BatchEngine:
         out, new = self._first_tokens(logits, rows, want_logprobs, take=num_new > 0)
         return out, compiled or new
 
+    def _on_device(self, value, dtype=None) -> jax.Array:
+        """`value` (host) as a device array, transferred once per distinct value: a decode step's
+        rows, flags and `advance` repeat step after step, and each fresh host-to-device copy is a
+        round trip on the step's critical path (on a TPU v5e, with the 5 outputs fetched one by one,
+        the engine's host work per step exceeded the device's: README, "Many users on a TPU").
+        A device array passes through."""
+        if isinstance(value, jax.Array):
+            return value
+        value = np.asarray(value, dtype)
+        key = (value.dtype.str, value.shape, value.tobytes())
+        if key not in self._constants:
+            if len(self._constants) >= 256:  # distinct row sets and flags: a handful in steady state
+                self._constants.clear()
+            self._constants[key] = jnp.asarray(value)
+        return self._constants[key]
+
     def _draw_args(self, logits: jax.Array, rows: np.ndarray | jax.Array | None, want_logprobs: np.ndarray,
                    take: np.ndarray | jax.Array, advance: bool, mask=None) -> tuple[tuple, dict[str, Any]]:
-        return ((self.device, logits, jnp.asarray(want_logprobs), None if rows is None else jnp.asarray(rows, jnp.int32),
-                 jnp.asarray(take), jnp.bool_(advance), None if mask is None else jnp.asarray(mask)), {})
+        return ((self.device, logits, self._on_device(want_logprobs),
+                 None if rows is None else self._on_device(rows, np.int32), self._on_device(take),
+                 self._on_device(advance, np.bool_), None if mask is None else jnp.asarray(mask)), {})
 
     def _first_tokens(self, logits: jax.Array, rows: np.ndarray, want_logprobs: np.ndarray,
                       mask: np.ndarray | None = None, take: np.ndarray | None = None):
@@ -720,10 +738,9 @@ class BatchEngine:
         zeros = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
         return zeros if self.mesh is None else jax.device_put(zeros, NamedSharding(self.mesh, PartitionSpec()))
 
-    @staticmethod
-    def _group_rows(rows: np.ndarray | None) -> jax.Array | None:
+    def _group_rows(self, rows: np.ndarray | None) -> jax.Array | None:
         """A decode group's slots as the steps take them (None: every slot)."""
-        return None if rows is None else jnp.asarray(rows, jnp.int32)
+        return None if rows is None else self._on_device(rows, np.int32)
 
     def _forward_args(self, rows: jax.Array | None) -> tuple[tuple, dict[str, Any]]:
         """decode_forward's arguments for every slot (`rows` None) or the group `rows`: one program per
@@ -755,8 +772,9 @@ class BatchEngine:
         """`draw`'s rows, log-prob flags and rows taking part, for a decode step of every slot (`rows`
         None) or of the group `rows`: made once per dispatch."""
         if rows is None:
-            return None, jnp.asarray(want_logprobs), jnp.ones(self.max_batch, jnp.bool_)
-        return jnp.asarray(rows, jnp.int32), jnp.asarray(want_logprobs[rows]), jnp.ones(len(rows), jnp.bool_)
+            return None, self._on_device(want_logprobs), self._on_device(np.ones(self.max_batch, np.bool_))
+        return (self._on_device(rows, np.int32), self._on_device(want_logprobs[rows]),
+                self._on_device(np.ones(len(rows), np.bool_)))
 
     def _forward(self, rows: jax.Array | None) -> jax.Array:
         """Enqueue the forward half of a decode step; returns its logits."""
@@ -1170,12 +1188,19 @@ class BatchEngine:
         return self.shapes.kv_bound(furthest + tokens)
 
     def _deliver(self, out, slot_of) -> None:
-        """Fetch one step's outputs (waiting for the step) and hand each active row its token."""
-        ids, lps, top_ids, top_lps, active = jax.device_get(out)
+        """Fetch one step's outputs (waiting for the step) and hand each active row its token. The
+        log-probs are fetched only when a row being delivered asked for them: each output is its own
+        device-to-host copy."""
+        ids, lps, top_ids, top_lps, active = out
+        if any(self._slots[i] is not None and self._slots[i].request.logprobs is not None for i in slot_of):
+            ids, lps, top_ids, top_lps, active = jax.device_get(out)
+        else:
+            (ids, active), lps, top_ids, top_lps = jax.device_get((ids, active)), None, None, None
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
             if self._slots[i] is not None and active[j]:
-                self._hand(i, int(ids[j]), float(lps[j]), top_ids[j], top_lps[j], now)
+                self._hand(i, int(ids[j]), 0.0 if lps is None else float(lps[j]),
+                           None if top_ids is None else top_ids[j], None if top_lps is None else top_lps[j], now)
 
     def _hand(self, i: int, token: int, lp: float, top_ids, top_lps, now: float) -> bool:
         """`_accept` one token for slot i; a failure delivering it ends that request alone. Returns
