@@ -142,16 +142,19 @@ def test_serve_and_bench_over_a_unix_socket(tokenizer_dir, tmp_path):
                 if client.get("/health", timeout=2).status_code == 200:
                     break
             time.sleep(0.05)
-        assert psutil.Process(proc.pid).net_connections(kind="inet") == []  # no TCP or UDP socket at all
+        server = psutil.Process(proc.pid)
+        connections = getattr(server, "net_connections", server.connections)  # psutil < 6.0: connections
+        assert connections(kind="inet") == []  # no TCP or UDP socket at all
         refused = client.get("/health", headers={"Host": "attacker.example"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
 
-        result = CliRunner().invoke(app, ["bench", "--base-url", "http://localhost", "--uds", str(sock),
+        result = CliRunner().invoke(app, ["bench", "--uds", str(sock),  # --base-url: http://localhost
                                           "--input-lens", "24", "--output-len", "5", "--repeats", "1",
                                           "--concurrency", "1,2", "--out", str(out)])
         assert result.exit_code == 0, result.output
         run = json.loads(out.read_text())
         assert run["label"] == f"fake@{sock}" and run["config"]["uds"] == str(sock)
+        assert run["base_url"] == "http://localhost"
         assert [c["concurrency"] for c in run["cells"]] == [1, 2]
         for cell in run["cells"]:
             assert cell["flags"] == [] and cell["output_len_verified"] and cell["input_len_verified"]

@@ -313,7 +313,7 @@ def serve(
     model: str = typer.Option(None, help="HF directory, .gguf file, hub id; default: the built-in model"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
     port: int = typer.Option(8000, min=0, max=65535),
-    uds: str = typer.Option(None, help="listen on this Unix socket instead of --host/--port (machines without TCP; a proxy on the same host); served as loopback"),
+    uds: str = typer.Option(None, help="listen on this Unix socket, not on --host/--port (machines without TCP; a proxy on the same host, which then needs --allowed-host for the Host it forwards); served as loopback"),
     max_model_len: int = typer.Option(2048, min=2, help="longest prompt + completion, tokens"),
     max_batch: int = typer.Option(8, min=1, help="decode slots (requests generated together)"),
     dtype: str = typer.Option("auto", help="auto (device policy), float32, bfloat16, float16"),

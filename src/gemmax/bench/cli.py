@@ -27,9 +27,9 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 @bench_app.callback()
 def bench(
     ctx: typer.Context,
-    base_url: str = typer.Option(None, help="server root, e.g. http://127.0.0.1:8000"),
+    base_url: str = typer.Option(None, help="server root, e.g. http://127.0.0.1:8000 (with --uds: http://localhost)"),
     uds: Path = typer.Option(None, help="connect through this Unix socket (a server started with `gemmax serve --uds`); "
-                             "--base-url then names the host sent, e.g. http://localhost"),
+                             "--base-url then only names the Host sent"),
     model: str = typer.Option(None, help="model name to send; default: first entry of /v1/models"),
     input_lens: str = typer.Option("41,521,2057,3593", help="prompt lengths in tokens (exact)"),
     output_len: int = typer.Option(64, min=1, help="output tokens (forced with ignore_eos/min_tokens)"),
@@ -41,7 +41,7 @@ def bench(
     prompt_mode: str = typer.Option("auto", help="auto | server (/tokenize) | local (--tokenizer) | ids"),
     tokenizer: Path = typer.Option(None, help="local tokenizer directory when the server has no /tokenize"),
     vocab_size: int = typer.Option(None, help="vocabulary size for token-id prompts"),
-    label: str = typer.Option(None, help="rig label in tables and compare (default: model@host:port)"),
+    label: str = typer.Option(None, help="rig label in tables and compare (default: model@host:port, or model@socket)"),
     api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="bearer token"),
     price_per_hour: float = typer.Option(None, help="machine price in $/hour: adds $ per million output tokens"),
     seed: int = typer.Option(0),
@@ -53,6 +53,8 @@ def bench(
     """Run a sweep against --base-url (subcommand `compare` compares result files)."""
     if ctx.invoked_subcommand is not None:
         return
+    if base_url is None and uds is not None:
+        base_url = "http://localhost"
     if base_url is None:
         raise typer.BadParameter("--base-url is required (or use `gemmax bench compare A.json B.json`)")
     from rich.console import Console

@@ -138,6 +138,9 @@ BURST_WINDOW_SECONDS = 0.02
 # Decode steps in flight: the one whose tokens the host is delivering and those queued behind it
 # (`BatchEngine._decode_free`).
 LOOKAHEAD_STEPS = 2
+# Distinct host values `BatchEngine._on_device` keeps on the device (row sets and flags: a handful in
+# steady state); past this many it starts again.
+MAX_DEVICE_CONSTANTS = 256
 
 # The jitted steps the engine runs as ahead-of-time executables (a mesh has no verify step)
 COMPILED_STEPS = ("prefill_step", "prefill_rows", "draw", "decode_forward", "verify_rows")
@@ -282,7 +285,8 @@ class BatchEngine:
         self.prefix_cache_bytes = self.memory_plan.prefix_cache  # None (default) resolved by the plan
         self.prefix_cache: PrefixCache | None = None  # allocated at warm-up (0 bytes: off)
         self.want_logprobs = np.zeros(max_batch, np.bool_)  # per slot, host-side
-        self._constants: dict[tuple, jax.Array] = {}  # `_on_device`
+        # host values already on the device, keyed by (dtype, shape, bytes): `_on_device`
+        self._device_constants: dict[tuple, jax.Array] = {}
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()
@@ -695,18 +699,18 @@ class BatchEngine:
     def _on_device(self, value, dtype=None) -> jax.Array:
         """`value` (host) as a device array, transferred once per distinct value: a decode step's
         rows, flags and `advance` repeat step after step, and each fresh host-to-device copy is a
-        round trip on the step's critical path (on a TPU v5e, with the 5 outputs fetched one by one,
-        the engine's host work per step exceeded the device's: README, "Many users on a TPU").
-        A device array passes through."""
+        round trip on the step's critical path (on a TPU v5e the engine's host work per step, these
+        copies and the fetch of every output, exceeded the device's: docs/gpu.md, "Many users on a
+        TPU v5e"). A device array passes through."""
         if isinstance(value, jax.Array):
             return value
         value = np.asarray(value, dtype)
         key = (value.dtype.str, value.shape, value.tobytes())
-        if key not in self._constants:
-            if len(self._constants) >= 256:  # distinct row sets and flags: a handful in steady state
-                self._constants.clear()
-            self._constants[key] = jnp.asarray(value)
-        return self._constants[key]
+        if key not in self._device_constants:
+            if len(self._device_constants) >= MAX_DEVICE_CONSTANTS:
+                self._device_constants.clear()
+            self._device_constants[key] = jnp.asarray(value)
+        return self._device_constants[key]
 
     def _draw_args(self, logits: jax.Array, rows: np.ndarray | jax.Array | None, want_logprobs: np.ndarray,
                    take: np.ndarray | jax.Array, advance: bool, mask=None) -> tuple[tuple, dict[str, Any]]:
@@ -1191,11 +1195,13 @@ class BatchEngine:
         """Fetch one step's outputs (waiting for the step) and hand each active row its token. The
         log-probs are fetched only when a row being delivered asked for them: each output is its own
         device-to-host copy."""
-        ids, lps, top_ids, top_lps, active = out
-        if any(self._slots[i] is not None and self._slots[i].request.logprobs is not None for i in slot_of):
+        wants_logprobs = any(self._slots[i] is not None and self._slots[i].request.logprobs is not None
+                             for i in slot_of)
+        if wants_logprobs:
             ids, lps, top_ids, top_lps, active = jax.device_get(out)
         else:
-            (ids, active), lps, top_ids, top_lps = jax.device_get((ids, active)), None, None, None
+            ids, active = jax.device_get((out[0], out[4]))
+            lps = top_ids = top_lps = None
         now = time.perf_counter()
         for j, i in enumerate(slot_of):
             if self._slots[i] is not None and active[j]:
