@@ -756,7 +756,8 @@ class BatchEngine:
     def _verify_args(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, q=None,
                      drafted: np.ndarray | None = None) -> tuple[tuple, dict[str, Any]]:
         extra = () if q is None else (q, jnp.asarray(drafted))
-        return ((self.params, self.device, jnp.asarray(self.want_logprobs), jnp.asarray(rows, jnp.int32),
+        # the rows and log-prob flags repeat from step to step (`_on_device`); the proposals do not
+        return ((self.params, self.device, self._on_device(self.want_logprobs), self._on_device(rows, np.int32),
                  jnp.asarray(proposals, jnp.int32), jnp.asarray(num_proposed, jnp.int32), *extra),
                 {"config": self.config, "precision": self.precision, "kv_len": self.shapes.kv_buckets})
 
@@ -774,7 +775,7 @@ class BatchEngine:
 
     def _drawn_rows(self, rows: np.ndarray | None, want_logprobs: np.ndarray) -> tuple[jax.Array | None, ...]:
         """`draw`'s rows, log-prob flags and rows taking part, for a decode step of every slot (`rows`
-        None) or of the group `rows`: made once per dispatch."""
+        None) or of the group `rows`: each distinct value sent to the device once (`_on_device`)."""
         if rows is None:
             return None, self._on_device(want_logprobs), self._on_device(np.ones(self.max_batch, np.bool_))
         return (self._on_device(rows, np.int32), self._on_device(want_logprobs[rows]),
