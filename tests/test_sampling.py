@@ -320,10 +320,9 @@ def test_a_row_draws_the_same_token_whatever_shares_the_batch():
     np.testing.assert_array_equal(reordered[::-1], together[3])
 
 
-def test_the_row_by_row_thresholds_give_the_batched_ids():
-    """On CPU the whole-row thresholds run row by row (`_threshold_ids_by_row`); GPUs, TPUs and meshes
-    keep the batched call (`_threshold_ids`). Both give every row the same token (flat rows, ties,
-    top-k, top-p, min-p and their mixes, several seeds); rows not asked for get 0 and no work."""
+def _threshold_rows():
+    """(x, w, top, t, k, top_p, min_p) of five rows that take the whole-row thresholds: flat rows, ties,
+    top-k, top-p, min-p and their mixes."""
     rows = [_FLAT, np.ones(1280, np.float32), _FLAT[::-1].copy(), _peaked(1280, 3), _FLAT * 2.0]
     settings = [(1.0, _OFF, 0.95, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 1100, 1.0, 0.0), (1.0, 1100, 0.97, 0.02),
                 (1.3, _OFF, 1.0, 0.3)]  # temperature, k (_OFF: off), top_p, min_p
@@ -333,13 +332,53 @@ def test_the_row_by_row_thresholds_give_the_batched_ids():
                                                                      strict=True))
     k = jnp.where(k == 0, _OFF, k)
     top = jnp.max(x, axis=-1)
-    w = jnp.exp((x - top[:, None]) / t[:, None])
+    return x, jnp.exp((x - top[:, None]) / t[:, None]), top, t, k, top_p, min_p
+
+
+def test_the_row_by_row_thresholds_give_the_batched_ids():
+    """On CPU the whole-row thresholds run row by row (`_threshold_ids_by_row`); GPUs, TPUs and meshes
+    keep the batched call (`_threshold_ids`). Both give every row the same token (several seeds); rows
+    not asked for get 0 and no work."""
+    x, w, top, t, k, top_p, min_p = _threshold_rows()
+    rows = x.shape[:1]
     for seed in range(4):
-        u = jax.random.uniform(jax.random.key(seed), (len(rows), 2))
+        u = jax.random.uniform(jax.random.key(seed), (*rows, 2))
         batched = jax.jit(sampling._threshold_ids)(x, w, k, top_p, min_p, u)
-        need = jnp.ones(len(rows), jnp.bool_)
+        need = jnp.ones(rows, jnp.bool_)
         by_row = jax.jit(sampling._threshold_ids_by_row)(x, top, t, k, top_p, min_p, u, need)
         np.testing.assert_array_equal(np.asarray(by_row), np.asarray(batched), err_msg=f"seed {seed}")
     some = jax.jit(sampling._threshold_ids_by_row)(x, top, t, k, top_p, min_p, u, jnp.asarray([1, 0, 1, 0, 0], bool))
     np.testing.assert_array_equal(np.asarray(some)[[1, 3, 4]], 0)
     np.testing.assert_array_equal(np.asarray(some)[[0, 2]], np.asarray(batched)[[0, 2]])
+
+
+@pytest.mark.parametrize("ways", [2, 4, 16])
+def test_the_threshold_search_finds_the_highest_key_that_holds(ways):
+    """`_highest_key` with `ways` parts a pass (CPU 2, one row on an accelerator 4) finds the k-th
+    highest key exactly, the count being an integer, against numpy's sort: rows with ties, -inf and
+    values near 0 and near float32's range."""
+    rng = np.random.default_rng(ways)
+    for scale in (1.0, 1e-3, 1e30):
+        x = rng.integers(-6, 6, (32, 1000)).astype(np.float32) * np.float32(scale)
+        x[:, rng.integers(0, 1000, 40)] = -np.inf
+        x[:16] += rng.standard_normal((16, 1000)).astype(np.float32) * np.float32(scale)  # half the rows without ties
+        keys = sampling._order_keys(jnp.asarray(x))
+        k = jnp.asarray(rng.integers(1, 1000, 32), jnp.int32)
+        got = sampling._highest_key(keys, lambda t, keys=keys, k=k: jnp.sum(keys[:, None] >= t[:, :, None], axis=-1)
+                                    >= k[:, None], ways)
+        want = np.sort(np.asarray(keys), axis=-1)[:, ::-1][np.arange(32), np.asarray(k) - 1]
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"scale {scale}")
+
+
+def test_an_accelerators_search_draws_the_same_tokens(monkeypatch):
+    """One row on a GPU or TPU searches its thresholds 4 ways a pass (`_search_ways`), CPU by
+    bisection: both give each of the whole-row rows, alone, the same token for every seed."""
+    x, w, _, _, k, top_p, min_p = _threshold_rows()
+    for r in range(x.shape[0]):
+        args = [a[r : r + 1] for a in (x, w, k, top_p, min_p)]
+        draws = {}
+        for ways in (2, 4):
+            monkeypatch.setattr(sampling, "_search_ways", lambda rows, ways=ways: ways)
+            ids = jax.jit(lambda *a: sampling._threshold_ids(*a))  # a new function: traced with this `ways`
+            draws[ways] = [int(ids(*args, jax.random.uniform(jax.random.key(seed), (1, 2)))[0]) for seed in range(8)]
+        assert draws[2] == draws[4], f"row {r}"
