@@ -138,7 +138,8 @@ def test_a_program_from_jax_cache_is_compiled_again_after_ready_and_stored(loade
     assert _serve(changed) == [(tokens, False) for tokens in solo]
     warm = start()
     assert warm.warmup_report["executables_loaded"] == shapes and warm.warmup_report["executables_compiled"] == 0
-    assert warm.steps.store.wait_stored(0) and _serve(warm) == [(tokens, False) for tokens in solo]  # the stored copies run
+    assert warm.steps.store.wait_stored(0)
+    assert _serve(warm) == [(tokens, False) for tokens in solo]  # the stored copies run
 
 
 def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):

@@ -354,14 +354,14 @@ def test_the_row_by_row_thresholds_give_the_batched_ids():
 
 @pytest.mark.parametrize("ways", [2, 4, 16])
 def test_the_threshold_search_finds_the_highest_key_that_holds(ways):
-    """`_highest_key` with `ways` parts a pass (CPU 2, one row on an accelerator 4) finds the k-th
-    highest key exactly, the count being an integer, against numpy's sort: rows with ties, -inf and
-    values near 0 and near float32's range."""
+    """`_highest_key` with `ways` parts a pass (CPU 2, a TPU 4) finds the k-th highest key exactly,
+    the count being an integer, against numpy's sort: rows with ties, -inf, values near 0 and up to
+    a sixth of float32's largest."""
     rng = np.random.default_rng(ways)
-    for scale in (1.0, 1e-3, 1e30):
+    for scale in (1.0, 1e-3, 1e37):
         x = rng.integers(-6, 6, (32, 1000)).astype(np.float32) * np.float32(scale)
         x[:, rng.integers(0, 1000, 40)] = -np.inf
-        x[:16] += rng.standard_normal((16, 1000)).astype(np.float32) * np.float32(scale)  # half the rows without ties
+        x[:16] += rng.standard_normal((16, 1000)).astype(np.float32) * np.float32(scale)  # half without ties
         keys = sampling._order_keys(jnp.asarray(x))
         k = jnp.asarray(rng.integers(1, 1000, 32), jnp.int32)
         got = sampling._highest_key(keys, lambda t, keys=keys, k=k: jnp.sum(keys[:, None] >= t[:, :, None], axis=-1)
@@ -371,14 +371,18 @@ def test_the_threshold_search_finds_the_highest_key_that_holds(ways):
 
 
 def test_an_accelerators_search_draws_the_same_tokens(monkeypatch):
-    """One row on a GPU or TPU searches its thresholds 4 ways a pass (`_search_ways`), CPU by
-    bisection: both give each of the whole-row rows, alone, the same token for every seed."""
+    """A TPU searches its thresholds 4 ways a pass (`_search_ways`), CPU by bisection: both give each
+    whole-row case, alone and in one batch, the same token for every seed."""
     x, w, _, _, k, top_p, min_p = _threshold_rows()
-    for r in range(x.shape[0]):
-        args = [a[r : r + 1] for a in (x, w, k, top_p, min_p)]
-        draws = {}
-        for ways in (2, 4):
-            monkeypatch.setattr(sampling, "_search_ways", lambda rows, ways=ways: ways)
-            ids = jax.jit(lambda *a: sampling._threshold_ids(*a))  # a new function: traced with this `ways`
-            draws[ways] = [int(ids(*args, jax.random.uniform(jax.random.key(seed), (1, 2)))[0]) for seed in range(8)]
-        assert draws[2] == draws[4], f"row {r}"
+    draws = {}
+    for ways in (2, 4):
+        monkeypatch.setattr(sampling, "_search_ways", lambda ways=ways: ways)
+        ids = jax.jit(lambda *a: sampling._threshold_ids(*a))  # a new function: traced with this `ways`
+        for seed in range(8):
+            u = jax.random.uniform(jax.random.key(seed), (x.shape[0], 2))
+            draws[ways, seed] = np.asarray(ids(x, w, k, top_p, min_p, u)).tolist()
+            for r in range(x.shape[0]):
+                alone = ids(*(a[r : r + 1] for a in (x, w, k, top_p, min_p, u)))
+                assert int(alone[0]) == draws[ways, seed][r], f"ways {ways} seed {seed} row {r}"
+    for seed in range(8):
+        assert draws[2, seed] == draws[4, seed], f"seed {seed}"

@@ -107,7 +107,7 @@ def track(directory: str | Path | None = None) -> Iterator[Tracker]:
 
 _bypass_lock = threading.Lock()
 _bypass_depth = 0  # blocks inside `bypassed`, over all threads
-_bypass_restores = True  # the switch as the first thread in found it
+_bypass_saved = True  # the switch as the first thread in found it
 
 
 @contextlib.contextmanager
@@ -117,13 +117,16 @@ def bypassed() -> Iterator[None]:
     JAX's cache supplied at start-up: XLA:CPU serialises an executable read back from that cache
     without all of its kernels, so the store needs one compiled afresh (gemmax.engine.executables).
     The switch is process-wide (JAX keeps one), so it is counted: the first thread in turns the cache
-    off, the last one out turns it back as it was."""
+    off, the last one out turns it back as it was. Meanwhile every compile in the process skips JAX's
+    cache, and one that runs while the switch flips may see JAX's cache half reset (JAX's
+    `reset_cache` is not guarded against compiles in other threads): after ready the engine compiles
+    nothing but a shape no request had before, so the window is narrow, not closed."""
     from jax._src import compilation_cache
 
-    global _bypass_depth, _bypass_restores
+    global _bypass_depth, _bypass_saved
     with _bypass_lock:
         if _bypass_depth == 0:
-            _bypass_restores = jax.config.jax_enable_compilation_cache
+            _bypass_saved = jax.config.jax_enable_compilation_cache
             jax.config.update("jax_enable_compilation_cache", False)
             compilation_cache.reset_cache()  # JAX decides once whether its cache is used: ask again
         _bypass_depth += 1
@@ -133,7 +136,7 @@ def bypassed() -> Iterator[None]:
         with _bypass_lock:
             _bypass_depth -= 1
             if _bypass_depth == 0:
-                jax.config.update("jax_enable_compilation_cache", _bypass_restores)
+                jax.config.update("jax_enable_compilation_cache", _bypass_saved)
                 compilation_cache.reset_cache()
 
 

@@ -105,7 +105,8 @@ def _note_cache_hit(event: str, **_: object) -> None:
 monitoring.register_event_listener(_note_cache_hit)
 
 
-def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, jax.stages.Lowered, bool]:
+def _compile(jitted: Any, args: tuple, statics: dict[str, Any]
+             ) -> tuple[jax.stages.Compiled, jax.stages.Lowered, bool]:
     """(jitted compiled for the call, its lowering, whether JAX's persistent cache supplied the program)."""
     _compiling.jax_cache_hit = False
     lowered = jitted.lower(*args, **statics)
@@ -183,7 +184,8 @@ class ExecutableStore:
         self.saved += 1
 
     def defer(self, key: str, lowered: jax.stages.Lowered) -> None:
-        """A program JAX's cache supplied: `store_deferred` compiles and stores it later."""
+        """A program JAX's cache supplied: `store_deferred` compiles and stores it later (one deferred
+        while serving, after the storing thread ended, waits for the next start)."""
         with self._deferred_lock:
             self.unstored += 1
             self._deferred.append((key, lowered))
@@ -199,7 +201,15 @@ class ExecutableStore:
                     if not self._deferred:
                         break
                     key, lowered = self._deferred.pop(0)
-                self.save(key, lowered.compile(compiler_options=_COMPILE_ANEW))
+                _compiling.jax_cache_hit = False
+                try:
+                    compiled = lowered.compile(compiler_options=_COMPILE_ANEW)
+                    if _compiling.jax_cache_hit:  # read back after all: storing it would store the defect
+                        raise RuntimeError("JAX's persistent cache supplied it again")
+                    self.save(key, compiled)
+                except Exception as exc:  # the next start serves it from JAX's cache and tries again
+                    log.warning("compiled step %s not stored: %s: %s", key[:12], type(exc).__name__, exc)
+                    continue
                 stored += 1
         return stored
 
@@ -214,12 +224,16 @@ class ExecutableStore:
         def run() -> None:
             with contextlib.suppress(OSError, AttributeError):  # no per-thread priority here
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            stored = self.store_deferred()
-            log.info("stored %d compiled steps that JAX's cache had supplied; the next start loads them", stored)
+            try:
+                stored = self.store_deferred()
+                log.info("stored %d compiled steps that JAX's cache had supplied; the next start loads them",
+                         stored)
+            finally:
+                atexit.unregister(self.stop_storing)
 
+        atexit.register(self.stop_storing)
         self._storing = threading.Thread(target=run, name="gemmax-store", daemon=True)
         self._storing.start()
-        atexit.register(self.stop_storing)
 
     def stop_storing(self, timeout: float | None = None) -> bool:
         """Stop `store_deferred_in_background` after the program it is compiling and wait for it up to

@@ -9,8 +9,8 @@ behind `lax.cond`, so a batch that does not need them does not pay for them.
 No path sorts the vocabulary (`_filtered_sample`): temperature alone is an inverse-CDF draw over
 64-token blocks; top-k, top-p and min-p run on the best 64 (then 256, 1,024) tokens, found exactly
 from block maxima, and a row whose kept set is not provably inside those takes the rule over its
-whole row by thresholds found by a search over the logits' bits (`_threshold_ids`). The distribution is the sorted
-rule's (`tests/test_sampling.py` checks it against float64 probabilities).
+whole row by thresholds found by a search over the logits' bits (`_threshold_ids`). The
+distribution is the sorted rule's (`tests/test_sampling.py` checks it against float64 probabilities).
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ def _highest_key(keys: jax.Array, holds, ways: int) -> jax.Array:
     holds falls as tau rises and holds at the row's lowest key; `holds` maps candidates [B, m] to
     [B, m] bool. Each pass tries `ways - 1` candidates that split [lo, hi] into `ways` parts, so
     ceil(32 / log2(ways)) passes over the row and no sort. The answer is one key whatever `ways`."""
+    assert ways >= 2, ways
     lo = jnp.min(keys, axis=-1)
     hi = jnp.max(keys, axis=-1)
     i = jnp.arange(1, ways, dtype=jnp.uint32)[None, :]  # [1, ways - 1]
@@ -209,9 +210,11 @@ def _highest_key(keys: jax.Array, holds, ways: int) -> jax.Array:
     def step(_, bounds):  # invariant: holds(lo); tau <= hi
         lo, hi = bounds
         span = (hi - lo)[:, None] + 1  # [B, 1]: under 2^32 (finite keys, -inf, +inf)
-        cuts = jnp.minimum(lo[:, None] + i * (span // ways) + (i * (span % ways) + ways - 1) // ways, hi[:, None])
+        cuts = lo[:, None] + i * (span // ways) + (i * (span % ways) + ways - 1) // ways  # lo + ceil(i span / ways)
+        cuts = jnp.minimum(cuts, hi[:, None])
         ok = holds(cuts)  # [B, ways - 1], falling along the cuts
-        return jnp.max(jnp.where(ok, cuts, lo[:, None]), axis=-1), jnp.min(jnp.where(ok, hi[:, None], cuts - 1), axis=-1)
+        lo_next = jnp.max(jnp.where(ok, cuts, lo[:, None]), axis=-1)
+        return lo_next, jnp.min(jnp.where(ok, hi[:, None], cuts - 1), axis=-1)
 
     return jax.lax.fori_loop(0, -(-32 // (ways.bit_length() - 1)), step, (lo, hi))[0]
 
@@ -236,13 +239,14 @@ def _ranks_if_tied(tie: jax.Array, on: jax.Array) -> jax.Array:
                         lambda: jnp.zeros(tie.shape, jnp.int32))
 
 
-def _search_ways(rows: int) -> int:
-    """`_highest_key`'s parts a pass for `rows` rows: 4 (16 passes of 3 candidates) for one row on a
-    GPU or TPU, where a pass of the loop costs more than its compares; otherwise a bisection (2: 32
-    passes of one), as on CPU, where a pass costs its compares. `benchmarks/sampling.py --flat`, top_p
-    0.9 over 262,144 entries: TPU v5e one row 0.41 -> 0.32 ms, 8 rows 0.54 -> 0.61 ms; CPU (row by
-    row) 2.1-2.2 -> 3.0-3.2 ms a row (docs/bench.md)."""
-    return 4 if rows == 1 and jax.default_backend() != "cpu" else 2
+def _search_ways() -> int:
+    """`_highest_key`'s parts a pass: a bisection (2: 32 passes of one candidate) on CPU, where a pass
+    costs its compares; 4 (16 passes of 3) elsewhere, where a pass of the loop has a fixed cost of its
+    own. The same for every row count, so a row's sums do not depend on what shares its batch.
+    `benchmarks/sampling.py --flat`, top_p 0.9 over 262,144 entries, with `_tiles`: TPU v5e one row
+    0.409 -> 0.319 ms, 8 rows 0.537 -> 0.612 ms (measured there; a GPU follows it untested); CPU
+    (row by row) 2.1-2.2 -> 3.0-3.2 ms a row (benchmarks/results/tpu/sampler-2026-12-06/)."""
+    return 2 if jax.default_backend() == "cpu" else 4
 
 
 def _tiles(a: jax.Array) -> jax.Array:
@@ -266,11 +270,12 @@ def _threshold_ids(x: jax.Array, w: jax.Array, k, top_p, min_p, u) -> jax.Array:
     B = x.shape[0]
     keys = _order_keys(x)
     k_on, p_on = (k != _OFF)[:, None], (top_p < 1.0)[:, None]
-    ways = _search_ways(B)
+    ways = _search_ways()
 
     def top_k_set():
         tiles = _tiles(keys)
-        tau = _highest_key(keys, lambda t: jnp.sum(tiles[:, None] >= t[:, :, None, None], axis=(2, 3)) >= k[:, None], ways)[:, None]
+        tau = _highest_key(keys, lambda t: jnp.sum(tiles[:, None] >= t[:, :, None, None], axis=(2, 3)) >= k[:, None],
+                           ways)[:, None]
         above = keys > tau
         tie = keys == tau
         room = (k - jnp.sum(above, axis=-1))[:, None]
@@ -282,13 +287,19 @@ def _threshold_ids(x: jax.Array, w: jax.Array, k, top_p, min_p, u) -> jax.Array:
 
     def top_p_set():
         tiles, w_tiles = _tiles(keys), _tiles(w_k)
-        tau = _highest_key(keys, lambda t: jnp.sum(jnp.where(tiles[:, None] >= t[:, :, None, None], w_tiles[:, None], 0.0), axis=(2, 3)) >= goal, ways)
+        def holds(t):  # [B, m] candidates -> whether the top-k mass at or above each reaches goal
+            return jnp.sum(jnp.where(tiles[:, None] >= t[:, :, None, None], w_tiles[:, None], 0.0), axis=(2, 3)) >= goal
+
+        tau = _highest_key(keys, holds, ways)
         tau = tau[:, None]
         above = keys > tau
         tie = in_k & (keys == tau)
         mass_above = jnp.sum(jnp.where(above, w_k, 0.0), axis=-1, keepdims=True)
         tie_w = jnp.max(jnp.where(tie, w, 0.0), axis=-1, keepdims=True)  # the tied entries' common weight
-        return above | (tie & (mass_above + _ranks_if_tied(tie, p_on) * tie_w < goal))
+        # the first tied entry always stays (the search proved the mass above tau under goal; its sums
+        # may round otherwise than this flat one), the later ones while the mass before them is under it
+        rank = _ranks_if_tied(tie, p_on)
+        return above | (tie & ((rank == 0) | (mass_above + rank * tie_w < goal)))
 
     keep = in_k & jax.lax.cond(jnp.any(p_on), lambda: ~p_on | top_p_set(), lambda: jnp.ones(x.shape, jnp.bool_))
     keep &= w >= min_p[:, None]
@@ -320,7 +331,7 @@ def _threshold_ids_by_row(x: jax.Array, top: jax.Array, t: jax.Array, k, top_p, 
 
 def _by_row() -> bool:
     """Whether the whole-row thresholds run row by row: on CPU, where it was measured. A GPU or TPU
-    would run a bisection's passes once per row instead of once per batch, and under a mesh the map
+    would run a search's passes once per row instead of once per batch, and under a mesh the map
     would gather rows split over the data-parallel axis; neither is measured, so they keep the
     batched call."""
     return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty
