@@ -108,38 +108,28 @@ def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(l
         engine.shutdown(1)
 
 
-def test_a_program_from_jax_cache_is_compiled_again_after_ready_and_stored(loaded, tmp_path):
+def test_a_program_read_back_from_jax_cache_is_not_stored(loaded, tmp_path):
     """After a code change that leaves the programs as they were, the store misses and JAX's own cache
-    hits. XLA:CPU serialises an executable read back from JAX's cache without all its kernels
-    ("Function ... not found" when it runs), so that start serves JAX's copies and, once ready,
-    compiles them again for real with JAX's cache off and stores those: the next start loads them and
-    runs them. Every start serves the solo path's tokens."""
+    hits. XLA:CPU serialises such a read-back executable without all its kernels ("Function ... not
+    found" when it runs), so it is not stored: the next start reads it from JAX's cache again, and
+    every start serves the solo path's tokens."""
     ck = loaded.checkpoint
     solo = [generate(ck.params, ck.config, list(p), 12, SamplingParams(), loaded.policy.precision(), stop_ids=())
             for p in PROMPTS]
-
-    def start() -> BatchEngine:
-        jax.clear_caches()  # as a new process: compiling reads the disk, not this process's memory
-        return _start(loaded, tmp_path)
-
-    cold = start()
+    jax.clear_caches()  # compiled for real (earlier tests' programs are in memory), so JAX's cache is written
+    cold = _start(loaded, tmp_path)
     shapes = cold.warmup_report["shapes"]
-    assert cold.steps.store.wait_stored(0) and _serve(cold) == [(tokens, False) for tokens in solo]
-    stored = sorted((tmp_path / STORE_DIR).glob("*.exe"))
-    assert len(stored) == shapes
-    for entry in stored:  # as a changed code hash leaves it
+    assert _serve(cold) == [(tokens, False) for tokens in solo]
+    for entry in (tmp_path / STORE_DIR).glob("*.exe"):  # as a changed code hash would leave it
         entry.unlink()
-    changed = start()
-    report = changed.warmup_report
-    assert report["executables_from_jax_cache_unstored"] == shapes and report["executables_loaded"] == 0
-    assert changed.steps.store.wait_stored(300)
-    assert len(list((tmp_path / STORE_DIR).glob("*.exe"))) == shapes
-    assert jax.config.jax_enable_compilation_cache  # the switch as it was once those compiles are done
-    assert _serve(changed) == [(tokens, False) for tokens in solo]
-    warm = start()
-    assert warm.warmup_report["executables_loaded"] == shapes and warm.warmup_report["executables_compiled"] == 0
-    assert warm.steps.store.wait_stored(0)
-    assert _serve(warm) == [(tokens, False) for tokens in solo]  # the stored copies run
+    for _ in range(2):
+        jax.clear_caches()  # as a new process: compiling reads JAX's persistent cache, not its memory
+        engine = _start(loaded, tmp_path)
+        report = engine.warmup_report
+        assert report["executables_from_jax_cache_unstored"] == shapes and report["executables_loaded"] == 0
+        assert report["cache_hits"] >= shapes
+        assert not list((tmp_path / STORE_DIR).glob("*.exe"))
+        assert _serve(engine) == [(tokens, False) for tokens in solo]
 
 
 def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):

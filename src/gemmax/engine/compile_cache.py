@@ -16,7 +16,6 @@ import io
 import logging
 import os
 import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,41 +102,6 @@ def track(directory: str | Path | None = None) -> Iterator[Tracker]:
         yield tracker
     finally:
         monitoring.unregister_event_listener(tracker)
-
-
-_bypass_lock = threading.Lock()
-_bypass_depth = 0  # blocks inside `bypassed`, over all threads
-_bypass_saved = True  # the switch as the first thread in found it
-
-
-@contextlib.contextmanager
-def bypassed() -> Iterator[None]:
-    """JAX's persistent cache neither read nor written while any thread is inside the block: what
-    compiles there is compiled for real. `ExecutableStore.store_deferred` compiles so the programs that
-    JAX's cache supplied at start-up: XLA:CPU serialises an executable read back from that cache
-    without all of its kernels, so the store needs one compiled afresh (gemmax.engine.executables).
-    The switch is process-wide (JAX keeps one), so it is counted: the first thread in turns the cache
-    off, the last one out turns it back as it was. Meanwhile every compile in the process skips JAX's
-    cache, and one that runs while the switch flips may see JAX's cache half reset (JAX's
-    `reset_cache` is not guarded against compiles in other threads): after ready the engine compiles
-    nothing but a shape no request had before, so the window is narrow, not closed."""
-    from jax._src import compilation_cache
-
-    global _bypass_depth, _bypass_saved
-    with _bypass_lock:
-        if _bypass_depth == 0:
-            _bypass_saved = jax.config.jax_enable_compilation_cache
-            jax.config.update("jax_enable_compilation_cache", False)
-            compilation_cache.reset_cache()  # JAX decides once whether its cache is used: ask again
-        _bypass_depth += 1
-    try:
-        yield
-    finally:
-        with _bypass_lock:
-            _bypass_depth -= 1
-            if _bypass_depth == 0:
-                jax.config.update("jax_enable_compilation_cache", _bypass_saved)
-                compilation_cache.reset_cache()
 
 
 def export_cache(dest: str, directory: str | Path | None = None) -> int:

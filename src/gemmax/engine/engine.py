@@ -417,8 +417,6 @@ class BatchEngine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self.steps.store is not None:  # after the program it is compiling (seconds, past drain_timeout)
-            self.steps.store.stop_storing()
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, background: bool = True) -> BatchEngine:
@@ -515,8 +513,6 @@ class BatchEngine:
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
         self._ready.set()
-        if self.steps.store is not None and not self._closing:  # what JAX's cache supplied, stored for next time
-            self.steps.store.store_deferred_in_background()
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
         """(step, args, statics) of every declared shape, built as the device calls build them: the

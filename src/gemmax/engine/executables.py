@@ -20,22 +20,16 @@ directory moves, since its key names the directory). An entry that does not load
 compiled anew. The store lives inside the compile-cache directory, so `gemmax cache export / import`
 moves it with JAX's entries.
 
-A program that JAX read back from its own persistent cache cannot be stored as it is: on XLA:CPU
-(jaxlib 0.10.2) such an executable serialises without all of its kernels, and the copy loads but fails
-when it runs ("NOT_FOUND: Function select_convert_fusion not found"). That happens after a code change
-that left a program's HLO as it was (the store misses, JAX's cache hits). The start uses JAX's copy
-(`executables_from_jax_cache_unstored` counts them), and once the engine is ready
-`ExecutableStore.store_deferred` compiles those programs again for real, on one low-priority thread
-with JAX's cache off (`compile_cache.bypassed`), and stores them: the next start loads them. Before
-2026-12-06 they came from JAX's cache at every start (26-27 s to ready for the built-in model, against
-15.6-19.5 s loading the store).
+A program that JAX read back from its own persistent cache is not stored: on XLA:CPU (jaxlib 0.10.2)
+such an executable serialises without all of its kernels, and the copy loads but fails when it runs
+("NOT_FOUND: Function select_convert_fusion not found"), so a start after a code change that
+left the HLO as it was (JAX's cache hit, the store missed) stored programs the next start could
+not run. Such a step comes from JAX's cache at every start until a real compilation stores it.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import os
@@ -50,8 +44,6 @@ import jaxlib
 import numpy as np
 from jax import monitoring
 from jax.experimental import serialize_executable
-
-from gemmax.engine import compile_cache
 
 log = logging.getLogger("gemmax.engine")
 
@@ -105,18 +97,12 @@ def _note_cache_hit(event: str, **_: object) -> None:
 monitoring.register_event_listener(_note_cache_hit)
 
 
-def _compile(jitted: Any, args: tuple, statics: dict[str, Any]
-             ) -> tuple[jax.stages.Compiled, jax.stages.Lowered, bool]:
-    """(jitted compiled for the call, its lowering, whether JAX's persistent cache supplied the program)."""
+def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, bool]:
+    """(jitted compiled for the call, whether JAX's persistent cache supplied the program)."""
     _compiling.jax_cache_hit = False
-    lowered = jitted.lower(*args, **statics)
-    compiled = lowered.compile()
-    return compiled, lowered, _compiling.jax_cache_hit
+    compiled = jitted.lower(*args, **statics).compile()
+    return compiled, _compiling.jax_cache_hit
 
-
-# A compiler option at its default value: given any option, JAX compiles a lowering anew instead of
-# handing back the executable it keeps for it (on the `Lowered` and in its in-memory compilations).
-_COMPILE_ANEW = {"xla_dump_hlo_pass_re": ""}
 
 _code_hash: str | None = None
 
@@ -144,11 +130,7 @@ class ExecutableStore:
         self.loaded = 0
         self.saved = 0
         self.rejected = 0
-        self.unstored = 0  # read back from JAX's cache, so not stored at once (module docstring)
-        self._deferred: list[tuple[str, jax.stages.Lowered]] = []  # (key, lowering) of those programs
-        self._deferred_lock = threading.Lock()
-        self._storing: threading.Thread | None = None
-        self._stop_storing = threading.Event()
+        self.unstored = 0  # read back from JAX's cache, so not stored (module docstring)
 
     def key(self, name: str, sig: tuple, devices: list) -> str:
         backend = jax.devices()[0].client
@@ -183,72 +165,6 @@ class ExecutableStore:
         os.replace(tmp, self.directory / f"{key}.exe")
         self.saved += 1
 
-    def defer(self, key: str, lowered: jax.stages.Lowered) -> None:
-        """A program JAX's cache supplied: `store_deferred` compiles and stores it later (one deferred
-        while serving, after the storing thread ended, waits for the next start)."""
-        with self._deferred_lock:
-            self.unstored += 1
-            self._deferred.append((key, lowered))
-
-    def store_deferred(self) -> int:
-        """Compile for real (JAX's cache off) and store the deferred programs, one at a time until
-        `stop_storing`; returns how many were stored (the rest stay deferred: the next start's JAX
-        cache hits)."""
-        stored = 0
-        with compile_cache.bypassed():
-            while not self._stop_storing.is_set():
-                with self._deferred_lock:
-                    if not self._deferred:
-                        break
-                    key, lowered = self._deferred.pop(0)
-                _compiling.jax_cache_hit = False
-                try:
-                    compiled = lowered.compile(compiler_options=_COMPILE_ANEW)
-                    if _compiling.jax_cache_hit:  # read back after all: storing it would store the defect
-                        raise RuntimeError("JAX's persistent cache supplied it again")
-                    self.save(key, compiled)
-                except Exception as exc:  # the next start serves it from JAX's cache and tries again
-                    log.warning("compiled step %s not stored: %s: %s", key[:12], type(exc).__name__, exc)
-                    continue
-                stored += 1
-        return stored
-
-    def store_deferred_in_background(self) -> None:
-        """`store_deferred` on one thread of the lowest CPU priority (Linux gives each thread its own
-        nice value), so that requests come first. `stop_storing` ends it: the engine's shutdown, or
-        the interpreter's exit (a thread inside an XLA compile while the interpreter finalises aborts
-        the process)."""
-        if not self._deferred:
-            return
-
-        def run() -> None:
-            with contextlib.suppress(OSError, AttributeError):  # no per-thread priority here
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            try:
-                stored = self.store_deferred()
-                log.info("stored %d compiled steps that JAX's cache had supplied; the next start loads them",
-                         stored)
-            finally:
-                atexit.unregister(self.stop_storing)
-
-        atexit.register(self.stop_storing)
-        self._storing = threading.Thread(target=run, name="gemmax-store", daemon=True)
-        self._storing.start()
-
-    def stop_storing(self, timeout: float | None = None) -> bool:
-        """Stop `store_deferred_in_background` after the program it is compiling and wait for it up to
-        `timeout` (None: until it ends); True when no thread is left."""
-        self._stop_storing.set()
-        if self._storing is not None:
-            self._storing.join(timeout)
-        return self._storing is None or not self._storing.is_alive()
-
-    def wait_stored(self, timeout: float | None = None) -> bool:
-        """Wait until the background thread has stored every deferred program; True when it has."""
-        if self._storing is not None:
-            self._storing.join(timeout)
-        return not self._deferred and (self._storing is None or not self._storing.is_alive())
-
 
 class CompiledStep:
     """One jitted step behind the same call signature (static arguments as keywords), running the
@@ -282,10 +198,10 @@ class CompiledStep:
         stored = None if store is None else store.key(self.name, sig, devices)
         compiled = None if stored is None else store.load(stored, devices)
         if compiled is None:
-            compiled, lowered, from_jax_cache = _compile(self.jitted, args, statics)
+            compiled, from_jax_cache = _compile(self.jitted, args, statics)
             self.compiled += 1
             if stored is not None and from_jax_cache:
-                store.defer(stored, lowered)
+                store.unstored += 1
             elif stored is not None:
                 store.save(stored, compiled)
         with self._lock:  # the statics are kept with it: their ids in the key stay theirs
