@@ -10,9 +10,10 @@ The logits look like a language model's: a Gaussian body (std 2) and 32 strong t
 it, so top_p 0.9 and min_p 0.05 keep a few tokens, as they do on real text. Rows whose kept set does
 not fit the 1,024 best tokens take the full sort, at "before"'s cost (`--flat` shows it).
 
-    python benchmarks/sampling.py [--repeats 5] [--calls 10] [--flat] [--against OTHER/src]
+    python benchmarks/sampling.py [--repeats 5] [--calls 10] [--flat] [--bf16] [--against OTHER/src]
 
-`--against` puts another version's sampler in the "before" column instead of the sort: the
+`--bf16` rounds the logits through bfloat16, as an accelerator's bfloat16 head gives them: hundreds
+of entries then tie at any threshold. `--against` puts another version's sampler in the "before" column instead of the sort: the
 `_filtered_sample` of OTHER/src/gemmax/engine/sampling.py (a `git worktree` of an earlier commit),
 loaded beside this one in the same process.
 
@@ -77,13 +78,16 @@ def choose(draw):
     return jax.jit(ids)
 
 
-def lm_logits(batch: int, flat: bool, seed: int = 0) -> jax.Array:
+def lm_logits(batch: int, flat: bool, bf16: bool = False, seed: int = 0) -> jax.Array:
+    """[batch, VOCAB] float32 logits; `bf16`: rounded through bfloat16, as a bfloat16 head computes them
+    (a few thousand distinct values in a row, so hundreds of entries tie at any threshold)."""
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((batch, VOCAB)).astype(np.float32) * (0.5 if flat else 2.0)
     if not flat:
         for row in logits:
             row[rng.choice(VOCAB, 32, replace=False)] += np.linspace(16.0, 8.0, 32, dtype=np.float32)
-    return jnp.asarray(logits)
+    logits = jnp.asarray(logits)
+    return logits.astype(jnp.bfloat16).astype(jnp.float32) if bf16 else logits
 
 
 def state_for(batch: int, mode: tuple) -> SamplingState:
@@ -117,13 +121,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--flat", action="store_true", help="flat logits: top-p and min-p keep too many tokens for the windows")
+    parser.add_argument("--bf16", action="store_true", help="logits rounded through bfloat16, as an accelerator's head gives them")
     parser.add_argument("--against", metavar="SRC", help="'before' is the sampler of SRC/gemmax/engine/sampling.py, not the sort")
     args = parser.parse_args()
     before, after = choose(other_sampler(args.against) if args.against else sorted_sample), choose(_filtered_sample)
     results = []
     print(f"{'mode':<18} {'B':>2} {'before ms':>18} {'after ms':>18} {'speed-up':>8}")
     for batch in (1, 8):
-        logits = lm_logits(batch, args.flat)
+        logits = lm_logits(batch, args.flat, args.bf16)
         for name, mode in MODES.items():
             state = state_for(batch, mode)
             old = time_ms(before, logits, state, args.repeats, args.calls)
@@ -133,7 +138,7 @@ def main() -> None:
                             "after_spread_ms": [round(new[1], 3), round(new[2], 3)]})
             print(f"{name:<18} {batch:>2} {old[0]:>7.3f} ({old[1]:.2f}-{old[2]:.2f}) {new[0]:>7.3f} ({new[1]:.2f}-{new[2]:.2f})"
                   f" {old[0] / new[0]:>7.1f}x")
-    print(json.dumps({"benchmark": "sampling", "vocab": VOCAB, "flat": args.flat,
+    print(json.dumps({"benchmark": "sampling", "vocab": VOCAB, "flat": args.flat, "bf16": args.bf16,
                       "before": args.against or "the full sort", "results": results}))
 
 

@@ -134,10 +134,13 @@ def test_sampled_distribution_equals_the_rule(case):
     draws (token by token where a token carries that much, then consecutive ranks pooled), and no draw
     outside the kept set. A wrong rule fails this: an off-by-one at the top-k, top-p or min-p boundary
     moves a token of several percent."""
-    _, logits, temperature, top_k, top_p, min_p = case
+    _assert_draws_follow_the_rule(*case[1:])
+
+
+def _assert_draws_follow_the_rule(logits, temperature, top_k, top_p, min_p, run=None):
     n = 20_000
     expected = _rule_probs(logits, temperature, top_k, top_p, min_p)
-    counts = np.bincount(_draws(logits, temperature, top_k, top_p, min_p, n), minlength=logits.shape[0])
+    counts = np.bincount(_draws(logits, temperature, top_k, top_p, min_p, n, run=run), minlength=logits.shape[0])
     assert counts[expected == 0].sum() == 0, "drew a token outside the kept set"
     order = np.argsort(-expected, kind="stable")
     order = order[expected[order] > 0]
@@ -153,6 +156,35 @@ def test_sampled_distribution_equals_the_rule(case):
     bins = np.asarray(bins) * n / np.sum(bins)
     statistic, df = float(np.sum((np.asarray(observed) - bins) ** 2 / bins)), len(bins) - 1
     assert statistic < _chi2_bound(df), f"chi-square {statistic:.1f} over {df} degrees of freedom"
+
+
+def _counting_windows(built: list[int]):
+    """`_candidates` that also appends each window's size to `built` when the window is built (a
+    callback in the branch that builds it): the windows `_filtered_sample` builds."""
+    candidates = sampling._candidates
+
+    def counted(blocks, block_max, count):
+        jax.debug.callback(lambda _: built.append(count), block_max[0, 0])
+        return candidates(blocks, block_max, count)
+
+    return counted
+
+
+_WIDE = [c for c in _CASES if c[0].startswith("wide")]
+
+
+@pytest.mark.parametrize("case", _WIDE, ids=[c[0] for c in _WIDE])
+def test_an_accelerators_single_window_keeps_the_distribution(case, monkeypatch):
+    """Off CPU only the first window is tried (`_tiers`): the rows that the 256- and 1,024-windows
+    decide on CPU take the whole-row thresholds there, with the same distribution, and no wider
+    window is built."""
+    assert sampling._tiers() == _TIERS  # this process runs on CPU
+    built: list[int] = []
+    monkeypatch.setattr(sampling, "_tiers", lambda: _TIERS[:1])
+    monkeypatch.setattr(sampling, "_candidates", _counting_windows(built))
+    _assert_draws_follow_the_rule(*case[1:], run=jax.jit(lambda x, s: _filtered_sample(x, s)))  # traced anew
+    jax.effects_barrier()
+    assert set(built) <= {_TIERS[0]}, built
 
 
 def _chi2_bound(df: int, z: float = 3.72) -> float:
@@ -196,15 +228,9 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
     for _, logits, temperature, top_k, top_p, min_p in edges:
         assert 256 < (_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum() <= _TIERS[-1]
 
-    built: list[int] = []  # the windows `_filtered_sample` builds, by size (a callback in the built branch)
-    candidates = sampling._candidates
-
-    def counted(blocks, block_max, count):
-        jax.debug.callback(lambda _: built.append(count), block_max[0, 0])
-        return candidates(blocks, block_max, count)
-
+    built: list[int] = []
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "_candidates", counted)
+        patch.setattr(sampling, "_candidates", _counting_windows(built))
         flat_top_p = next(c for c in _CASES if c[0] == "sorted: top_p 0.95 on a flat row")
         for case, windows in ((flat_top_p, [1024]), (spread, [1024]), (heavy, [1024]), (_CASES[3], [64])):
             built.clear()

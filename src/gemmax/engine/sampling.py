@@ -7,7 +7,7 @@ block masses behind temperature and top-p, wider candidate windows, log-softmax 
 behind `lax.cond`, so a batch that does not need them does not pay for them.
 
 No path sorts the vocabulary (`_filtered_sample`): temperature alone is an inverse-CDF draw over
-64-token blocks; top-k, top-p and min-p run on the best 64 (then 256, 1,024) tokens, found exactly
+64-token blocks; top-k, top-p and min-p run on the best 64 (then on CPU 256, 1,024) tokens, found exactly
 from block maxima, and a row whose kept set is not provably inside those takes the rule over its
 whole row by thresholds found by a search over the logits' bits (`_threshold_ids`). The
 distribution is the sorted rule's (`tests/test_sampling.py` checks it against float64 probabilities).
@@ -82,7 +82,7 @@ def apply_penalties(logits: jax.Array, state: SamplingState) -> jax.Array:
 
 
 _BLOCK = 64  # entries per block of the sampled paths' block maxima and block masses
-_TIERS = (64, 256, 1024)  # candidate windows: a top-k up to 64 fits the first; larger kept sets widen
+_TIERS = (64, 256, 1024)  # candidate windows: a top-k up to 64 fits the first; larger kept sets widen (`_tiers`)
 _OFF = np.iinfo(np.int32).max  # top-k switched off
 
 
@@ -249,6 +249,18 @@ def _search_ways() -> int:
     return 2 if jax.default_backend() == "cpu" else 4
 
 
+def _tiers() -> tuple[int, ...]:
+    """The candidate windows `_filtered_sample` tries before the whole-row thresholds: every one of
+    `_TIERS` on CPU, where the thresholds cost about 2 ms a row; only the first elsewhere. On a TPU
+    v5e a window's exact top-k costs more than the thresholds it would spare: top_p 0.9 at
+    temperature 0.7 over bfloat16-rounded Gaussian rows of 262,144 (std 1 to 3, so the 256- and
+    1,024-windows are built and seldom prove), one row, ms: every window 0.95-1.15, the first only
+    0.31-0.34, the thresholds alone 0.30; 8 rows 1.56-1.75, 0.97-1.02, 0.96; the serving engine's
+    draw took 1.09 ms a step at one stream (benchmarks/results/tpu/sampler-2026-12-06/). A GPU
+    follows the TPU untested. Per backend, so a row's window never depends on its batch."""
+    return _TIERS if jax.default_backend() == "cpu" else _TIERS[:1]
+
+
 def _tiles(a: jax.Array) -> jax.Array:
     """[B, n] -> [B, n / 128, 128] (n / 64 rows of 64 when n is not a multiple of 128): what
     `_threshold_ids`' passes reduce, so that one row fills a TPU's [8, 128] registers (as [1, n]
@@ -344,7 +356,7 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
     - temperature alone: inverse CDF over 64-entry blocks of the row as it is (block masses, then
       one block's entries), no sort and no random numbers beyond two per row;
     - top-k, top-p, min-p: the rule on the best 64 entries (found from block maxima, `_candidates`),
-      then on the best 256 and 1,024 for rows it did not prove, then by whole-row thresholds
+      then (on CPU, `_tiers`) on the best 256 and 1,024 for rows it did not prove, then by whole-row thresholds
       (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row can be proven
       (`_can_prove`) is not built.
     Each row's token depends only on its own logits, settings and key: which window decides a row
@@ -376,15 +388,17 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
     def window(values, ids):
         return _window(values, ids, t, k, top_p, min_p, mass, u)
 
-    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best _TIERS[tier] entries, then wider
-        size = min(_TIERS[tier], x.shape[-1])
+    tiers = _tiers()
+
+    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best tiers[tier] entries, then wider
+        size = min(tiers[tier], x.shape[-1])
         build = lambda: window(*_candidates(blocks, block_max, size))  # noqa: E731
         if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
             return build()[0]  # (a 128-token vocabulary compiles two windows and no sort)
         found, proven = jax.lax.cond(  # a window that no row can be proven in is not built (`_can_prove`)
             jnp.any(filtered & _can_prove(size, k, top_p, min_p, mass, over_bar)),
             build, lambda: (zeros, jnp.zeros(B, jnp.bool_)))
-        if tier + 1 < len(_TIERS):
+        if tier + 1 < len(tiers):
             wider = lambda: filtered_ids(tier + 1)  # noqa: E731
         else:
             def wider():
