@@ -8,12 +8,14 @@ vocabulary on every sampled step (`lax.top_k(scaled, V)`), kept here verbatim as
 
 The logits look like a language model's: a Gaussian body (std 2) and 32 strong tokens 8-16 above
 it, so top_p 0.9 and min_p 0.05 keep a few tokens, as they do on real text. Rows whose kept set does
-not fit the 1,024 best tokens take the full sort, at "before"'s cost (`--flat` shows it).
+not fit the 1,024 best tokens take the full sort, at "before"'s cost (`--flat` shows it: Gaussian
+rows alone, std 0.5 or the one given; at std 1 to 3 the wider windows are tried and fail, at 0.5 none).
 
-    python benchmarks/sampling.py [--repeats 5] [--calls 10] [--flat] [--bf16] [--against OTHER/src]
+    python benchmarks/sampling.py [--repeats 5] [--calls 10] [--flat [STD]] [--bf16] [--against OTHER/src]
 
 `--bf16` rounds the logits through bfloat16, as an accelerator's bfloat16 head gives them: hundreds
-of entries then tie at any threshold. `--against` puts another version's sampler in the "before" column instead of the sort: the
+of entries then tie at any threshold. `--against` puts another version's sampler in the "before"
+column instead of the sort: the
 `_filtered_sample` of OTHER/src/gemmax/engine/sampling.py (a `git worktree` of an earlier commit),
 loaded beside this one in the same process.
 
@@ -78,11 +80,12 @@ def choose(draw):
     return jax.jit(ids)
 
 
-def lm_logits(batch: int, flat: bool, bf16: bool = False, seed: int = 0) -> jax.Array:
-    """[batch, VOCAB] float32 logits; `bf16`: rounded through bfloat16, as a bfloat16 head computes them
-    (a few thousand distinct values in a row, so hundreds of entries tie at any threshold)."""
+def lm_logits(batch: int, flat: float | None, bf16: bool = False, seed: int = 0) -> jax.Array:
+    """[batch, VOCAB] float32 logits: language-model-like, or (`flat`) a Gaussian of that std alone;
+    `bf16`: rounded through bfloat16, as a bfloat16 head computes them (a few thousand distinct values
+    in a row, so hundreds of entries tie at any threshold)."""
     rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((batch, VOCAB)).astype(np.float32) * (0.5 if flat else 2.0)
+    logits = rng.standard_normal((batch, VOCAB)).astype(np.float32) * (flat or 2.0)
     if not flat:
         for row in logits:
             row[rng.choice(VOCAB, 32, replace=False)] += np.linspace(16.0, 8.0, 32, dtype=np.float32)
@@ -120,7 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--flat", action="store_true", help="flat logits: top-p and min-p keep too many tokens for the windows")
+    parser.add_argument("--flat", type=float, nargs="?", const=0.5, metavar="STD",
+                        help="Gaussian logits of std STD (0.5) alone: top-p and min-p keep too many tokens for the windows")
     parser.add_argument("--bf16", action="store_true", help="logits rounded through bfloat16, as an accelerator's head gives them")
     parser.add_argument("--against", metavar="SRC", help="'before' is the sampler of SRC/gemmax/engine/sampling.py, not the sort")
     args = parser.parse_args()

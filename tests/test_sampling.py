@@ -221,18 +221,30 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
     draws the same tokens as with every window built, and so do rows that only the widest window
     proves, close to each condition's edge: a min_p row of 131,072 tokens whose 900 kept ones lie in
     as many blocks, a top_p row whose mass (~950 x p_max) nearly fills it, and top_k 1024. Flat top-p
-    and min-p rows do skip the narrower windows: `_filtered_sample` builds only the 1,024-window."""
+    and min-p rows do skip the narrower windows: `_filtered_sample` builds only the 1,024-window. A
+    Gaussian row (std 2, mass ~57 x p_max, 47,199 entries to reach top_p 0.95) builds the 64-window,
+    which bounds what the wider ones can hold (49.6 x p_max at 1,024), so they are not built; and a
+    row of one entry at p_max and 150 at 0.4 builds the 64-window, fails there, and is proven by the
+    256-window, which that bound (103 x p_max) lets be built, as it must (top_p 0.95: 58 x p_max)."""
     spread = ("min_p 0.05, 900 kept in 900 blocks", _spread_row(131072, 900, 9), 1.0, 0, 1.0, 0.05)
     heavy = ("top_p 0.95, ~950 x p_max", _spread_row(131072, 1000, 10, low=1.9), 1.0, 0, 0.95, 0.0)
     edges = [spread, heavy, ("top_k 1024 on a flat row", _FLAT, 1.0, 1024, 1.0, 0.0)]
     for _, logits, temperature, top_k, top_p, min_p in edges:
         assert 256 < (_rule_probs(logits, temperature, top_k, top_p, min_p) > 0).sum() <= _TIERS[-1]
+    gaussian = np.random.default_rng(11).standard_normal(131072).astype(np.float32) * 2.0
+    tail = ("top_p 0.95 on a Gaussian row", gaussian, 1.0, 0, 0.95, 0.0)
+    assert (_rule_probs(*tail[1:]) > 0).sum() > _TIERS[-1]
+    shoulder = np.full(131072, -30.0, np.float32)
+    shoulder[0], shoulder[1:151] = 0.0, np.log(0.4)
+    shoulder = ("top_p 0.95 on one entry and 150 at 0.4 of it", shoulder, 1.0, 0, 0.95, 0.0)
+    assert _TIERS[0] < (_rule_probs(*shoulder[1:]) > 0).sum() <= _TIERS[1]
 
     built: list[int] = []
     with monkeypatch.context() as patch:
         patch.setattr(sampling, "_candidates", _counting_windows(built))
         flat_top_p = next(c for c in _CASES if c[0] == "sorted: top_p 0.95 on a flat row")
-        for case, windows in ((flat_top_p, [1024]), (spread, [1024]), (heavy, [1024]), (_CASES[3], [64])):
+        for case, windows in ((flat_top_p, [1024]), (spread, [1024]), (heavy, [1024]), (_CASES[3], [64]),
+                              (tail, [64]), (shoulder, [64, 256])):
             built.clear()
             _draws(*case[1:], n=2, batch=2, run=jax.jit(lambda x, s: _filtered_sample(x, s)))
             jax.effects_barrier()
@@ -240,12 +252,12 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
 
     def draws():  # a fresh function each time: jit traces it again under the current `_can_prove`
         run = jax.jit(lambda x, s: _filtered_sample(x, s))
-        wide = [spread, heavy]  # 131,072 tokens a row: fewer draws
+        wide = [spread, heavy, tail, shoulder]  # 131,072 tokens a row: fewer draws
         return {case[0]: _draws(*case[1:], n=200 if case in wide else 2000, batch=200 if case in wide else 2000,
-                                run=run) for case in [*_CASES, *edges]}
+                                run=run) for case in [*_CASES, *edges, tail, shoulder]}
 
     skipping = draws()
-    monkeypatch.setattr(sampling, "_can_prove", lambda size, k, *_: jnp.ones(k.shape, jnp.bool_))
+    monkeypatch.setattr(sampling, "_can_prove", lambda size, reach, k, *_: jnp.ones(k.shape, jnp.bool_))
     building_every_window = draws()
     for name, ids in skipping.items():
         np.testing.assert_array_equal(ids, building_every_window[name], err_msg=name)
@@ -282,11 +294,17 @@ def test_can_prove_holds_wherever_a_window_proves_a_row():
     mass = jnp.sum(weights, axis=(1, 2))
     over_bar = _blocks_over_bar(jnp.max(weights, axis=-1), jnp.asarray(min_p, jnp.float32))
     proven_somewhere = np.zeros(len(rows), bool)
+    narrower = []  # (size, held, last) of each narrower window
     for size in _TIERS:
-        _, proven = _window(*_candidates(blocks, block_max, size), t, k, jnp.asarray(top_p, jnp.float32),
-                            jnp.asarray(min_p, jnp.float32), mass, jnp.full((len(rows), 2), 0.5))
-        can = _can_prove(size, k, jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32), mass, over_bar)
-        assert not np.any(np.asarray(proven) & ~np.asarray(can)), size
+        _, proven, held, last = _window(*_candidates(blocks, block_max, size), t, k, jnp.asarray(top_p, jnp.float32),
+                                        jnp.asarray(min_p, jnp.float32), mass, jnp.full((len(rows), 2), 0.5))
+        # what the window can hold: its size, or, as `_filtered_sample` passes it from any narrower
+        # window built, that one's mass plus its last entry for each entry more
+        for reach in [size, *(jnp.minimum(size, h + (size - n) * lst) for n, h, lst in narrower)]:
+            can = _can_prove(size, reach, k, jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32),
+                             mass, over_bar)
+            assert not np.any(np.asarray(proven) & ~np.asarray(can)), size
+        narrower.append((size, held, last))
         proven_somewhere |= np.asarray(proven)
     assert proven_somewhere.sum() > len(rows) // 2
 

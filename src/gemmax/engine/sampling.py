@@ -145,11 +145,13 @@ def _candidates(blocks: jax.Array, block_max: jax.Array, count: int) -> tuple[ja
 def _window(values, ids, t, k, top_p, min_p, mass, u):
     """The rule on the first W entries of each row's descending order (values [B, W] raw logits, ids
     [B, W]): top-k; top-p on the top-k renormalised; min-p; one draw among the kept. Returns (ids [B],
-    proven [B]): whether the kept set provably lies inside the window (the top-k does; or, with top-p
-    over the whole row, the window already holds top_p of the mass, so no later entry starts below
-    it; or the window's last entry is under the min-p bar, and every later one is no larger). Outside
-    the window the kept set is unknown, so an unproven row takes a larger window. `mass` [B] is the
-    row's sum of exp((x - max) / t), needed only by top-p with top-k off."""
+    proven [B], held [B], last [B]): proven, whether the kept set provably lies inside the window (the
+    top-k does; or, with top-p over the whole row, the window already holds top_p of the mass, so no
+    later entry starts below it; or the window's last entry is under the min-p bar, and every later
+    one is no larger); held and last, the window's mass and its last entry (p / p_max), which bound
+    what a wider window can hold (`_can_prove`'s `reach`). Outside the window the kept set is unknown,
+    so an unproven row takes a larger window. `mass` [B] is the row's sum of exp((x - max) / t),
+    needed only by top-p with top-k off."""
     B, W = values.shape
     w = jnp.exp((values - values[:, :1]) / t)  # [B, W], descending from 1: p / p_max
     rank = jnp.arange(W)[None, :]
@@ -164,23 +166,26 @@ def _window(values, ids, t, k, top_p, min_p, mass, u):
     proven = k_inside | ((~p_on | (k == _OFF)) & ((p_on & (running[:, -1] >= top_p)) | (w[:, -1] < min_p)))
     blocks = jnp.where(keep, w, 0.0).reshape(B, -1, min(W, _BLOCK))
     index = _draw(jnp.sum(blocks, axis=-1), lambda j: _take_block(blocks, j), u)
-    return jnp.take_along_axis(ids, index[:, None], axis=1)[:, 0], proven
+    return jnp.take_along_axis(ids, index[:, None], axis=1)[:, 0], proven, jnp.sum(w, axis=-1), w[:, -1]
 
 
-def _can_prove(size: int, k, top_p, min_p, mass, over_bar) -> jax.Array:
+def _can_prove(size: int, reach, k, top_p, min_p, mass, over_bar) -> jax.Array:
     """[B] bool: whether a window of the best `size` entries can prove a row's kept set (`_window`),
     known before building it: a necessary condition of `_window`'s `proven`. A top-k inside the
     window proves (k <= size). Otherwise (top-p off, or top-k off) top-p proves only if the window
-    holds top_p of the mass, and its `size` entries hold at most `size` (each is p / p_max <= 1): a
-    row whose top_p x mass (in units of p_max) exceeds `size` cannot (0.999: slack for the sums'
-    rounding); and min-p proves only if fewer than `size` entries clear its bar, so not when
-    `over_bar` [B] blocks already have an entry that does. On flat rows (a small model's, a high
-    temperature) every window used to be built and failed before the whole-row thresholds
-    (`benchmarks/sampling.py --flat`, 262,144 entries, with `_ranks_if_tied`: min_p 0.05 1.8 -> 0.6
-    ms at batch 1 and 22.8 -> 14.4 ms at batch 8; docs/bench.md). The window of the whole row
-    (a vocabulary of at most 1,024) is always built: every kept set lies in it."""
+    holds top_p of the mass, and its entries hold at most `reach` [B] (in units of p_max): `size`
+    (each entry is p / p_max <= 1), or less where a narrower window of W entries was built, its mass
+    plus its last entry for each of the size - W entries after it (each is no larger); a row whose
+    top_p x mass exceeds that cannot (0.999: slack for the sums' rounding); and min-p proves only if
+    fewer than `size` entries clear its bar, so not when `over_bar` [B] blocks already have an entry
+    that does. On flat rows (a small model's, a high temperature) every window used to be built and
+    failed before the whole-row thresholds (`benchmarks/sampling.py --flat`, 262,144 entries, with
+    `_ranks_if_tied`: min_p 0.05 1.8 -> 0.6 ms at batch 1 and 22.8 -> 14.4 ms at batch 8;
+    docs/bench.md), and on rows less flat the wider windows still were, by `size` alone
+    (docs/bench.md, "The windows' reach"). The window of the whole row (a vocabulary of at most
+    1,024) is always built: every kept set lies in it."""
     k_off, p_on = k == _OFF, top_p < 1.0
-    by_mass = p_on & (size >= 0.999 * top_p * mass)
+    by_mass = p_on & (reach >= 0.999 * top_p * mass)
     by_bar = (min_p > 0.0) & (over_bar < size)
     return (k <= size) | ((~p_on | k_off) & (by_mass | by_bar))
 
@@ -390,16 +395,24 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
 
     tiers = _tiers()
 
-    def filtered_ids(tier: int = 0) -> jax.Array:  # the rule on the best tiers[tier] entries, then wider
+    def filtered_ids(tier: int = 0, base=jnp.full(B, jnp.inf), last=jnp.zeros(B)) -> jax.Array:
+        """The rule on the best tiers[tier] entries, then wider. A window of n entries holds at most
+        base + n x last [B] (`_can_prove`'s reach): from the last window built, of W entries, its mass
+        less W x last, and its last entry; nothing known (inf, 0) before one is built."""
         size = min(tiers[tier], x.shape[-1])
-        build = lambda: window(*_candidates(blocks, block_max, size))  # noqa: E731
+
+        def build():
+            found, proven, held, window_last = window(*_candidates(blocks, block_max, size))
+            return found, proven, held - size * window_last, window_last
+
         if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
             return build()[0]  # (a 128-token vocabulary compiles two windows and no sort)
-        found, proven = jax.lax.cond(  # a window that no row can be proven in is not built (`_can_prove`)
-            jnp.any(filtered & _can_prove(size, k, top_p, min_p, mass, over_bar)),
-            build, lambda: (zeros, jnp.zeros(B, jnp.bool_)))
+        reach = jnp.minimum(size, base + size * last)
+        found, proven, base, last = jax.lax.cond(  # a window no row can be proven in is not built
+            jnp.any(filtered & _can_prove(size, reach, k, top_p, min_p, mass, over_bar)),
+            build, lambda: (zeros, jnp.zeros(B, jnp.bool_), base, last))
         if tier + 1 < len(tiers):
-            wider = lambda: filtered_ids(tier + 1)  # noqa: E731
+            wider = lambda: filtered_ids(tier + 1, base, last)  # noqa: E731
         else:
             def wider():
                 if _by_row():
