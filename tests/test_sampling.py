@@ -173,18 +173,18 @@ def _counting_windows(built: list[int]):
 _WIDE = [c for c in _CASES if c[0].startswith("wide")]
 
 
-@pytest.mark.parametrize("case", _WIDE, ids=[c[0] for c in _WIDE])
-def test_an_accelerators_single_window_keeps_the_distribution(case, monkeypatch):
+@pytest.mark.parametrize(("case", "windows"), list(zip(_WIDE, [set(), {64}, {64}], strict=True)), ids=[c[0] for c in _WIDE])
+def test_an_accelerators_single_window_keeps_the_distribution(case, windows, monkeypatch):
     """Off CPU only the first window is tried (`_tiers`): the rows that the 256- and 1,024-windows
     decide on CPU take the whole-row thresholds there, with the same distribution, and no wider
-    window is built."""
+    window is built (top_k 600 with top-p: not even the first, which cannot hold the top-k)."""
     assert sampling._tiers() == _TIERS  # this process runs on CPU
     built: list[int] = []
     monkeypatch.setattr(sampling, "_tiers", lambda: _TIERS[:1])
     monkeypatch.setattr(sampling, "_candidates", _counting_windows(built))
     _assert_draws_follow_the_rule(*case[1:], run=jax.jit(lambda x, s: _filtered_sample(x, s)))  # traced anew
     jax.effects_barrier()
-    assert set(built) <= {_TIERS[0]}, built
+    assert set(built) == windows, built
 
 
 def _chi2_bound(df: int, z: float = 3.72) -> float:
@@ -223,7 +223,8 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
     as many blocks, a top_p row whose mass (~950 x p_max) nearly fills it, and top_k 1024. Flat top-p
     and min-p rows do skip the narrower windows: `_filtered_sample` builds only the 1,024-window. A
     Gaussian row (std 2, mass ~57 x p_max, 47,199 entries to reach top_p 0.95) builds the 64-window,
-    which bounds what the wider ones can hold (49.6 x p_max at 1,024), so they are not built; and a
+    which bounds what the wider ones can hold (49.6 x p_max at 1,024), so they are not built, even
+    beside a row that the 64-window proves (wider windows are built for the rows still open); and a
     row of one entry at p_max and 150 at 0.4 builds the 64-window, fails there, and is proven by the
     256-window, which that bound (103 x p_max) lets be built, as it must (top_p 0.95: 58 x p_max)."""
     spread = ("min_p 0.05, 900 kept in 900 blocks", _spread_row(131072, 900, 9), 1.0, 0, 1.0, 0.05)
@@ -249,6 +250,16 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
             _draws(*case[1:], n=2, batch=2, run=jax.jit(lambda x, s: _filtered_sample(x, s)))
             jax.effects_barrier()
             assert built == windows, (case[0], built)
+        # beside a top_k 5 row, which the 64-window proves, the Gaussian row still builds no wider one
+        built.clear()
+        f = lambda *v, dtype=jnp.float32: jnp.asarray(v, dtype)  # noqa: E731
+        state = SamplingState(temperature=f(1.0, 1.0), top_k=f(0, 5, dtype=jnp.int32), top_p=f(0.95, 1.0),
+                              min_p=f(0.0, 0.0), presence=f(0.0, 0.0), frequency=f(0.0, 0.0), repetition=f(1.0, 1.0),
+                              key=jnp.zeros((2, 2), jnp.uint32), step=f(0, 0, dtype=jnp.int32),
+                              output_counts=jnp.zeros((2, 1), jnp.int32), prompt_mask=jnp.zeros((2, 1), jnp.bool_))
+        jax.jit(lambda x, s: _filtered_sample(x, s))(jnp.asarray(np.stack([gaussian, gaussian])), state)
+        jax.effects_barrier()
+        assert built == [64], built
 
     def draws():  # a fresh function each time: jit traces it again under the current `_can_prove`
         run = jax.jit(lambda x, s: _filtered_sample(x, s))

@@ -256,12 +256,12 @@ def _search_ways() -> int:
 
 def _tiers() -> tuple[int, ...]:
     """The candidate windows `_filtered_sample` tries before the whole-row thresholds: every one of
-    `_TIERS` on CPU, where the thresholds cost about 2 ms a row; only the first elsewhere. On a TPU
+    `_TIERS` on CPU, where the thresholds cost 2-5 ms a row; only the first elsewhere. On a TPU
     v5e a window's exact top-k costs more than the thresholds it would spare: top_p 0.9 at
     temperature 0.7 over bfloat16-rounded Gaussian rows of 262,144 (std 1 to 3, so the 256- and
     1,024-windows are built and seldom prove), one row, ms: every window 0.95-1.15, the first only
     0.31-0.34, the thresholds alone 0.30; 8 rows 1.56-1.75, 0.97-1.02, 0.96; the serving engine's
-    draw took 1.09 ms a step at one stream (benchmarks/results/tpu/sampler-2026-12-06/). A GPU
+    draw took 1.09 ms a step at one stream (benchmarks/results/tpu/sampler-windows-2026-12-06/). A GPU
     follows the TPU untested. Per backend, so a row's window never depends on its batch."""
     return _TIERS if jax.default_backend() == "cpu" else _TIERS[:1]
 
@@ -395,10 +395,12 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
 
     tiers = _tiers()
 
-    def filtered_ids(tier: int = 0, base=jnp.full(B, jnp.inf), last=jnp.zeros(B)) -> jax.Array:
-        """The rule on the best tiers[tier] entries, then wider. A window of n entries holds at most
-        base + n x last [B] (`_can_prove`'s reach): from the last window built, of W entries, its mass
-        less W x last, and its last entry; nothing known (inf, 0) before one is built."""
+    def filtered_ids(tier: int = 0, open_=filtered, base=jnp.full(B, jnp.inf, mass.dtype),
+                     last=jnp.zeros(B, mass.dtype)) -> jax.Array:
+        """The rule on the best tiers[tier] entries for the rows `open_` [B] (no narrower window
+        proved them), then wider. A window of n entries holds at most base + n x last [B]
+        (`_can_prove`'s reach): from the last window built, of W entries, its mass less W x last,
+        and its last entry; nothing known (inf, 0) before one is built."""
         size = min(tiers[tier], x.shape[-1])
 
         def build():
@@ -408,17 +410,18 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
         if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
             return build()[0]  # (a 128-token vocabulary compiles two windows and no sort)
         reach = jnp.minimum(size, base + size * last)
-        found, proven, base, last = jax.lax.cond(  # a window no row can be proven in is not built
-            jnp.any(filtered & _can_prove(size, reach, k, top_p, min_p, mass, over_bar)),
+        found, proven, base, last = jax.lax.cond(  # a window no open row can be proven in is not built
+            jnp.any(open_ & _can_prove(size, reach, k, top_p, min_p, mass, over_bar)),
             build, lambda: (zeros, jnp.zeros(B, jnp.bool_), base, last))
+        still_open = open_ & ~proven
         if tier + 1 < len(tiers):
-            wider = lambda: filtered_ids(tier + 1, base, last)  # noqa: E731
+            wider = lambda: filtered_ids(tier + 1, still_open, base, last)  # noqa: E731
         else:
             def wider():
                 if _by_row():
-                    return _threshold_ids_by_row(x, top[:, 0, 0], t[:, 0], k, top_p, min_p, u, filtered & ~proven)
+                    return _threshold_ids_by_row(x, top[:, 0, 0], t[:, 0], k, top_p, min_p, u, still_open)
                 return _threshold_ids(x, weights(blocks).reshape(B, -1), k, top_p, min_p, u)
-        return jnp.where(proven, found, jax.lax.cond(jnp.any(filtered & ~proven), wider, lambda: found))
+        return jnp.where(proven, found, jax.lax.cond(jnp.any(still_open), wider, lambda: found))
 
     plain_ids = jax.lax.cond(jnp.any(plain), plain_ids, lambda: zeros)
     return jnp.where(plain, plain_ids, jax.lax.cond(jnp.any(filtered), filtered_ids, lambda: zeros))
