@@ -362,8 +362,8 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
       one block's entries), no sort and no random numbers beyond two per row;
     - top-k, top-p, min-p: the rule on the best 64 entries (found from block maxima, `_candidates`),
       then (on CPU, `_tiers`) on the best 256 and 1,024 for rows it did not prove, then by whole-row thresholds
-      (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row can be proven
-      (`_can_prove`) is not built.
+      (`_threshold_ids`, row by row on CPU) for the rest; a window in which no row still open can be
+      proven (`_can_prove`, with what a narrower window built bounds) is not built.
     Each row's token depends only on its own logits, settings and key: which window decides a row
     follows from the row alone, and each window runs the same arithmetic whatever else asked for it."""
     B, V = logits.shape
@@ -408,7 +408,7 @@ def _filtered_sample(logits: jax.Array, state: SamplingState) -> jax.Array:
             return found, proven, held - size * window_last, window_last
 
         if size >= V:  # a window of the whole row holds every kept set: no wider window or sort follows
-            return build()[0]  # (a 128-token vocabulary compiles two windows and no sort)
+            return build()[0]  # (a 128-token vocabulary: on CPU two windows and no thresholds)
         reach = jnp.minimum(size, base + size * last)
         found, proven, base, last = jax.lax.cond(  # a window no open row can be proven in is not built
             jnp.any(open_ & _can_prove(size, reach, k, top_p, min_p, mass, over_bar)),
