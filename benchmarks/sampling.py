@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="logits rounded through bfloat16, as an accelerator's head gives them")
     parser.add_argument("--against", metavar="SRC", help="'before' is the sampler of SRC/gemmax/engine/sampling.py, not the sort")
     args = parser.parse_args()
+    if args.flat is not None and args.flat <= 0:
+        parser.error(f"--flat takes a standard deviation above 0, not {args.flat}")
     before, after = choose(other_sampler(args.against) if args.against else sorted_sample), choose(_filtered_sample)
     results = []
     print(f"{'mode':<18} {'B':>2} {'before ms':>18} {'after ms':>18} {'speed-up':>8}")

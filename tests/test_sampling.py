@@ -252,11 +252,8 @@ def test_skipping_the_windows_that_cannot_prove_changes_no_token(monkeypatch):
             assert built == windows, (case[0], built)
         # beside a top_k 5 row, which the 64-window proves, the Gaussian row still builds no wider one
         built.clear()
-        f = lambda *v, dtype=jnp.float32: jnp.asarray(v, dtype)  # noqa: E731
-        state = SamplingState(temperature=f(1.0, 1.0), top_k=f(0, 5, dtype=jnp.int32), top_p=f(0.95, 1.0),
-                              min_p=f(0.0, 0.0), presence=f(0.0, 0.0), frequency=f(0.0, 0.0), repetition=f(1.0, 1.0),
-                              key=jnp.zeros((2, 2), jnp.uint32), step=f(0, 0, dtype=jnp.int32),
-                              output_counts=jnp.zeros((2, 1), jnp.int32), prompt_mask=jnp.zeros((2, 1), jnp.bool_))
+        state = dataclasses.replace(SamplingState.empty(2, 1), temperature=jnp.asarray([1.0, 1.0]),
+                                    top_k=jnp.asarray([0, 5], jnp.int32), top_p=jnp.asarray([0.95, 1.0]))
         jax.jit(lambda x, s: _filtered_sample(x, s))(jnp.asarray(np.stack([gaussian, gaussian])), state)
         jax.effects_barrier()
         assert built == [64], built
