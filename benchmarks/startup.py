@@ -2,12 +2,14 @@
 `/health` 200, and the first requests after it against the ones after them.
 
 For each variant (`--src NAME=PATH`: a gemmax source tree put first on PYTHONPATH, so two versions of
-the code run side by side in one run; default: the installed gemmax), three starts on one fresh
+the code run side by side in one run; default: the installed gemmax), four starts on one fresh
 compile-cache directory (GEMMAX_COMPILE_CACHE):
 
 1. cold: the directory empty;
 2. warm: what start 1 wrote (JAX's persistent cache and gemmax's executable store);
-3. warm, JAX's cache only: the executable store removed (what a cache from before the store gives).
+3. warm, JAX's cache only: the executable store removed (what a start after a code change that left
+   the programs as they were finds: the store's keys hold a hash of the code, JAX's do not);
+4. the start after that: what start 3 left (it stores the programs it read from JAX's cache).
 
 After each start, requests of `--lengths` prompt tokens (16 forced output tokens each, greedy), each
 length `--repeats` times in a row: the first request of a length is the first to run its prefill
@@ -123,6 +125,7 @@ def main() -> int:
             results.append(one_start(name, src, cache, args, "warm"))
             shutil.rmtree(cache / "xla" / "executables", ignore_errors=True)
             results.append(one_start(name, src, cache, args, "warm, JAX cache only"))
+            results.append(one_start(name, src, cache, args, "the start after it"))
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 

@@ -108,28 +108,36 @@ def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(l
         engine.shutdown(1)
 
 
-def test_a_program_read_back_from_jax_cache_is_not_stored(loaded, tmp_path):
+def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entry(loaded, tmp_path):
     """After a code change that leaves the programs as they were, the store misses and JAX's own cache
     hits. XLA:CPU serialises such a read-back executable without all its kernels ("Function ... not
-    found" when it runs), so it is not stored: the next start reads it from JAX's cache again, and
-    every start serves the solo path's tokens."""
+    found" when it runs), so the store keeps the bytes JAX's cache entry held: the next start loads
+    every program from the store, and runs them. Every start serves the solo path's tokens."""
     ck = loaded.checkpoint
     solo = [generate(ck.params, ck.config, list(p), 12, SamplingParams(), loaded.policy.precision(), stop_ids=())
             for p in PROMPTS]
     jax.clear_caches()  # compiled for real (earlier tests' programs are in memory), so JAX's cache is written
     cold = _start(loaded, tmp_path)
     shapes = cold.warmup_report["shapes"]
+    assert cold.warmup_report["executables_from_jax_cache_stored"] == 0
     assert _serve(cold) == [(tokens, False) for tokens in solo]
     for entry in (tmp_path / STORE_DIR).glob("*.exe"):  # as a changed code hash would leave it
         entry.unlink()
-    for _ in range(2):
-        jax.clear_caches()  # as a new process: compiling reads JAX's persistent cache, not its memory
-        engine = _start(loaded, tmp_path)
-        report = engine.warmup_report
-        assert report["executables_from_jax_cache_unstored"] == shapes and report["executables_loaded"] == 0
-        assert report["cache_hits"] >= shapes
-        assert not list((tmp_path / STORE_DIR).glob("*.exe"))
-        assert _serve(engine) == [(tokens, False) for tokens in solo]
+
+    jax.clear_caches()  # as a new process: compiling reads JAX's persistent cache, not its memory
+    after_change = _start(loaded, tmp_path)
+    report = after_change.warmup_report
+    assert report["cache_hits"] >= shapes and report["executables_loaded"] == 0
+    assert report["executables_from_jax_cache_stored"] == shapes and report["executables_from_jax_cache_unstored"] == 0
+    assert len(list((tmp_path / STORE_DIR).glob("*.exe"))) == shapes
+    assert _serve(after_change) == [(tokens, False) for tokens in solo]
+
+    jax.clear_caches()
+    next_start = _start(loaded, tmp_path)  # the store's copies: nothing traced, lowered or compiled
+    report = next_start.warmup_report
+    assert report["executables_loaded"] == shapes and report["executables_compiled"] == 0
+    assert report["executables_never_run"] == 0  # every loaded copy ran at warm-up, and served below
+    assert _serve(next_start) == [(tokens, False) for tokens in solo]
 
 
 def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):

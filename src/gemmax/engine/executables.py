@@ -20,17 +20,20 @@ directory moves, since its key names the directory). An entry that does not load
 compiled anew. The store lives inside the compile-cache directory, so `gemmax cache export / import`
 moves it with JAX's entries.
 
-A program that JAX read back from its own persistent cache is not stored: on XLA:CPU (jaxlib 0.10.2)
-such an executable serialises without all of its kernels, and the copy loads but fails when it runs
-("NOT_FOUND: Function select_convert_fusion not found"), so a start after a code change that
-left the HLO as it was (JAX's cache hit, the store missed) stored programs the next start could
-not run. Such a step comes from JAX's cache at every start until a real compilation stores it.
+A program that JAX read back from its own persistent cache (a start after a code change that left its
+HLO as it was: the store misses, JAX's cache hits) is stored with the executable bytes JAX's cache
+entry held, not serialised again: on XLA:CPU (jaxlib 0.10.2) a read-back executable serialises
+without all of its kernels, and such a copy loads but fails when it runs ("NOT_FOUND: Function
+select_convert_fusion not found"). JAX gives no handle on those bytes, so they are taken where its
+cache unpacks an entry (`_keep_jax_cache_bytes`, a private function of jax); where that function is
+missing the program is not stored, and comes from JAX's cache at every start.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -43,6 +46,7 @@ import jax
 import jaxlib
 import numpy as np
 from jax import monitoring
+from jax._src import compilation_cache as jax_compilation_cache
 from jax.experimental import serialize_executable
 
 log = logging.getLogger("gemmax.engine")
@@ -97,11 +101,61 @@ def _note_cache_hit(event: str, **_: object) -> None:
 monitoring.register_event_listener(_note_cache_hit)
 
 
-def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, bool]:
-    """(jitted compiled for the call, whether JAX's persistent cache supplied the program)."""
-    _compiling.jax_cache_hit = False
+def _keep_jax_cache_bytes() -> bool:
+    """Wrap the function with which JAX's persistent cache unpacks an entry (jax 0.10-0.11:
+    `compilation_cache.extract_executable_and_time(entry) -> (serialised executable, compile time)`,
+    called in the compiling thread right before the executable is deserialised) so that the compiling
+    thread keeps the serialised bytes. False where jax has no such function (its programs read back
+    from JAX's cache are then not stored)."""
+    extract = getattr(jax_compilation_cache, "extract_executable_and_time", None)
+    if extract is None:
+        return False
+    if getattr(extract, "gemmax_keeps_bytes", False):
+        return True
+
+    def extract_and_keep(entry: bytes) -> tuple[bytes, int]:
+        executable, compile_time = extract(entry)
+        _compiling.jax_cache_bytes = executable
+        return executable, compile_time
+
+    extract_and_keep.gemmax_keeps_bytes = True
+    jax_compilation_cache.extract_executable_and_time = extract_and_keep
+    return True
+
+
+_keep_jax_cache_bytes()
+
+
+def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, bool, bytes | None]:
+    """(jitted compiled for the call, whether JAX's persistent cache supplied the program, and then the
+    serialised executable its entry held, if `_keep_jax_cache_bytes` saw it)."""
+    _compiling.jax_cache_hit, _compiling.jax_cache_bytes = False, None
     compiled = jitted.lower(*args, **statics).compile()
-    return compiled, _compiling.jax_cache_hit
+    hit = _compiling.jax_cache_hit
+    return compiled, hit, _compiling.jax_cache_bytes if hit else None
+
+
+class _Placeholder:
+    """The XLA executable of a serialised program, held while its payload is pickled again."""
+
+
+def _with_executable(payload: bytes, executable: bytes, devices: list) -> bytes:
+    """`serialize_executable.serialize`'s payload with its XLA executable's bytes replaced by
+    `executable`: read back and written again by jax's own (private) unpickler and pickler, with the
+    executable (which they write as ("exec", bytes)) left as a placeholder in between."""
+    backend = jax.devices()[0].client
+
+    class Reader(serialize_executable._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            return _Placeholder() if pid[0] == "exec" else super().persistent_load(pid)
+
+    class Writer(serialize_executable._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            return ("exec", executable) if isinstance(obj, _Placeholder) else super().persistent_id(obj)
+
+    with io.BytesIO() as out:
+        Writer(out).dump(Reader(io.BytesIO(payload), backend, devices or None).load())
+        return out.getvalue()
 
 
 _code_hash: str | None = None
@@ -130,7 +184,8 @@ class ExecutableStore:
         self.loaded = 0
         self.saved = 0
         self.rejected = 0
-        self.unstored = 0  # read back from JAX's cache, so not stored (module docstring)
+        self.unstored = 0  # read back from JAX's cache without its bytes, so not stored (module docstring)
+        self.from_jax_cache = 0  # stored with the bytes of JAX's cache entry (module docstring)
 
     def key(self, name: str, sig: tuple, devices: list) -> str:
         backend = jax.devices()[0].client
@@ -154,9 +209,15 @@ class ExecutableStore:
         self.loaded += 1
         return compiled
 
-    def save(self, key: str, compiled: jax.stages.Compiled) -> None:
+    def save(self, key: str, compiled: jax.stages.Compiled, executable: bytes | None = None,
+             devices: list | None = None) -> None:
+        """`executable`: the serialised XLA executable to store for `compiled` (the bytes JAX's cache
+        entry held, for a program read back from it) instead of serialising it again."""
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if executable is not None:
+                payload = _with_executable(payload, executable, devices or [])
+            blob = pickle.dumps((payload, in_tree, out_tree))
         except Exception as exc:  # a program that cannot be serialised is compiled at every start
             log.info("executable %s not stored: %s", key[:12], exc)
             return
@@ -164,6 +225,7 @@ class ExecutableStore:
         tmp.write_bytes(blob)
         os.replace(tmp, self.directory / f"{key}.exe")
         self.saved += 1
+        self.from_jax_cache += executable is not None
 
 
 class CompiledStep:
@@ -198,12 +260,12 @@ class CompiledStep:
         stored = None if store is None else store.key(self.name, sig, devices)
         compiled = None if stored is None else store.load(stored, devices)
         if compiled is None:
-            compiled, from_jax_cache = _compile(self.jitted, args, statics)
+            compiled, from_jax_cache, executable = _compile(self.jitted, args, statics)
             self.compiled += 1
-            if stored is not None and from_jax_cache:
+            if stored is not None and from_jax_cache and executable is None:
                 store.unstored += 1
             elif stored is not None:
-                store.save(stored, compiled)
+                store.save(stored, compiled, executable, devices)
         with self._lock:  # the statics are kept with it: their ids in the key stay theirs
             self._table.setdefault(key, (compiled, dict(statics)))
         return self._table[key][0], True
@@ -275,4 +337,5 @@ class CompiledSteps:
                 "executables_compiled": sum(step.compiled for step in steps),
                 "executables_loaded": 0 if store is None else store.loaded,
                 "executables_rejected": 0 if store is None else store.rejected,
+                "executables_from_jax_cache_stored": 0 if store is None else store.from_jax_cache,
                 "executables_from_jax_cache_unstored": 0 if store is None else store.unstored}
