@@ -108,8 +108,7 @@ def acceptance_run(params: Params, config: ModelConfig, policy: DevicePolicy, na
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"--spec-tokens {tokens} needs {max_model_len} positions; the model has "
                          f"{config.max_position_embeddings}")
-    loaded = LoadedModel(checkpoint=Checkpoint(config, params, count_bytes(params), None), tokenizer=None,
-                         policy=policy, name=name)
+    loaded = LoadedModel(checkpoint=Checkpoint(config, params, count_bytes(params), None), policy=policy, name=name)
     engine = BatchEngine(loaded, max_model_len=max_model_len, max_batch=1, buckets=(64,),
                          speculation=Speculation("off", k)).start()
     try:

@@ -192,7 +192,7 @@ def gguf_source(name: str, path: Path) -> ModelSource:
     contents = open_gguf(path)
     return ModelSource(name=name, kind="gguf", path=Path(path), config=contents.config,
                        stored_quantized=contents.quantized, tensors=lambda: (contents.names, contents.read),
-                       tokenizer=contents.tokenizer)
+                       open_tokenizer=lambda: contents.tokenizer)
 
 
 # ------------------------------------------------------------------------------------------ names

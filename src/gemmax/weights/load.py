@@ -22,7 +22,6 @@ from gemmax.weights.checkpoint import Checkpoint, CheckpointError, build_params
 from gemmax.weights.gguf import gguf_source
 from gemmax.weights.safetensors import directory_source
 from gemmax.weights.source import HUB_ID, ModelSource, hub_fetch
-from gemmax.weights.tokenizer import load_tokenizer
 
 # What a hub snapshot needs for serving: config, weights, tokenizer and chat template.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -61,7 +60,7 @@ def open_source(model: str | Path | None, *, weights: bool = True) -> ModelSourc
 
 def _directory(name: str, directory: Path, weights: bool) -> ModelSource:
     return directory_source(name, directory, stored_quantized=builtin.converted_from_quantized(directory),
-                            tokenizer=load_tokenizer(directory) if weights else None)
+                            weights=weights)
 
 
 def load_checkpoint(

@@ -13,13 +13,15 @@ from safetensors import safe_open
 from gemmax.model.config import ModelConfig
 from gemmax.weights.checkpoint import CheckpointError
 from gemmax.weights.source import ModelSource, TensorIndex
-from gemmax.weights.tokenizer import Tokenizer
+from gemmax.weights.tokenizer import load_tokenizer
 
 
-def directory_source(name: str, directory: Path, *, stored_quantized: bool, tokenizer: Tokenizer | None) -> ModelSource:
-    """A ModelSource over an HF directory: its config now, its tensors when `tensors()` opens them."""
+def directory_source(name: str, directory: Path, *, stored_quantized: bool, weights: bool = True) -> ModelSource:
+    """A ModelSource over an HF directory: its config now, its tensors when `tensors()` opens them and
+    its tokenizer when first asked for (none when `weights` is False: a config is all that is wanted)."""
     return ModelSource(name=name, kind="safetensors", path=directory, config=ModelConfig.from_dir(directory),
-                       stored_quantized=stored_quantized, tensors=lambda: read_tensors(directory), tokenizer=tokenizer)
+                       stored_quantized=stored_quantized, tensors=lambda: read_tensors(directory),
+                       open_tokenizer=(lambda: load_tokenizer(directory)) if weights else None)
 
 
 def read_tensors(directory: Path) -> TensorIndex:

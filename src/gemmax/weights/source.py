@@ -9,6 +9,7 @@ object, so a GGUF is opened once, a config parsed once, and the hub asked once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +38,14 @@ class ModelSource:
     config: ModelConfig
     stored_quantized: bool  # matrices stored at 8 bits or fewer (a Q4_K_M / Q8_0 GGUF, the built-in model)
     tensors: Callable[[], TensorIndex] | None = None  # opens the weights; None for kind "config"
-    tokenizer: Tokenizer | None = None
+    open_tokenizer: Callable[[], Tokenizer | None] | None = None  # None: no tokenizer
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """Loaded on first use: Gemma's 262,144-entry tokenizer takes 1-1.5 s and holds the GIL
+        throughout, so `gemmax serve` asks for it only once the engine's warm-up runs beside it
+        (`gemmax.engine.loading.start_engine`)."""
+        return None if self.open_tokenizer is None else self.open_tokenizer()
 
     @property
     def directory(self) -> Path | None:
