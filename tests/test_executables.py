@@ -140,6 +140,28 @@ def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entr
     assert _serve(next_start) == [(tokens, False) for tokens in solo]
 
 
+def test_only_a_program_read_back_from_jax_cache_reports_its_entry_bytes(tmp_path):
+    """`_compile` hands over the bytes of JAX's cache entry for the program JAX read back, and none for
+    one compiled after it in the same thread (what it kept for the first is not reported again)."""
+    from jax._src import compilation_cache as jax_cache
+
+    from gemmax.engine import compile_cache
+    from gemmax.engine.executables import _compile
+
+    compile_cache.enable(tmp_path)
+    jax_cache.reset_cache()  # JAX's cache opens the directory now set
+    times_three, minus_seven = jax.jit(lambda x: x * 3 + 1), jax.jit(lambda x: x - 7)
+    x = jnp.arange(8.0)
+    _, hit, kept = _compile(times_three, (x,), {})  # compiled, written to JAX's cache
+    assert not hit and kept is None
+    jax.clear_caches()  # as a new process would: the next compile reads JAX's cache
+    program, hit, kept = _compile(times_three, (x,), {})
+    assert hit and isinstance(kept, bytes) and len(kept) > 0
+    assert np.array_equal(program(x), x * 3 + 1)
+    _, hit, kept = _compile(minus_seven, (x,), {})
+    assert not hit and kept is None
+
+
 def test_the_key_changes_with_what_decides_the_program(loaded, tmp_path):
     store = ExecutableStore(tmp_path)
     config = loaded.checkpoint.config

@@ -24,14 +24,19 @@ A program that JAX read back from its own persistent cache (a start after a code
 HLO as it was: the store misses, JAX's cache hits) is stored with the executable bytes JAX's cache
 entry held, not serialised again: on XLA:CPU (jaxlib 0.10.2) a read-back executable serialises
 without all of its kernels, and such a copy loads but fails when it runs ("NOT_FOUND: Function
-select_convert_fusion not found"). JAX gives no handle on those bytes, so they are taken where its
-cache unpacks an entry (`_keep_jax_cache_bytes`, a private function of jax); where that function is
-missing the program is not stored, and comes from JAX's cache at every start.
+select_convert_fusion not found"). JAX gives no handle on those bytes, so `_keep_jax_cache_bytes`
+wraps the private jax function with which its cache unpacks an entry; where jax has no such function
+the program is not stored, and comes from JAX's cache at every start. Not covered: a program JAX
+hands back from its in-memory caches (no persistent-cache read) is serialised again; if it had been
+read back from JAX's disk cache earlier in the same process, that copy is the incomplete kind. Only a
+process that compiles the same program twice without the store holding it (two engines over two
+store directories, as tests do) can reach that; `gemmax serve` runs one engine.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import io
 import logging
@@ -46,8 +51,12 @@ import jax
 import jaxlib
 import numpy as np
 from jax import monitoring
-from jax._src import compilation_cache as jax_compilation_cache
 from jax.experimental import serialize_executable
+
+try:  # private: where JAX's persistent cache unpacks an entry (`_keep_jax_cache_bytes`)
+    from jax._src import compilation_cache as jax_compilation_cache
+except ImportError:
+    jax_compilation_cache = None
 
 log = logging.getLogger("gemmax.engine")
 
@@ -101,26 +110,28 @@ def _note_cache_hit(event: str, **_: object) -> None:
 monitoring.register_event_listener(_note_cache_hit)
 
 
-def _keep_jax_cache_bytes() -> bool:
+def _keep_jax_cache_bytes() -> None:
     """Wrap the function with which JAX's persistent cache unpacks an entry (jax 0.10-0.11:
     `compilation_cache.extract_executable_and_time(entry) -> (serialised executable, compile time)`,
     called in the compiling thread right before the executable is deserialised) so that the compiling
-    thread keeps the serialised bytes. False where jax has no such function (its programs read back
-    from JAX's cache are then not stored)."""
+    thread keeps the serialised bytes. What it returns passes through untouched, so a jax whose
+    function returns something else still reads its cache (and its read-back programs are not
+    stored); a jax without the function is left as it is."""
     extract = getattr(jax_compilation_cache, "extract_executable_and_time", None)
     if extract is None:
-        return False
-    if getattr(extract, "gemmax_keeps_bytes", False):
-        return True
+        return
+    if getattr(extract, "gemmax_keeps_bytes", False):  # an earlier import of this module wrapped it
+        extract = extract.__wrapped__
 
-    def extract_and_keep(entry: bytes) -> tuple[bytes, int]:
-        executable, compile_time = extract(entry)
-        _compiling.jax_cache_bytes = executable
-        return executable, compile_time
+    @functools.wraps(extract)
+    def extract_and_keep(*args, **kwargs):
+        unpacked = extract(*args, **kwargs)
+        if isinstance(unpacked, tuple) and unpacked and isinstance(unpacked[0], bytes):
+            _compiling.jax_cache_bytes = unpacked[0]
+        return unpacked
 
     extract_and_keep.gemmax_keeps_bytes = True
     jax_compilation_cache.extract_executable_and_time = extract_and_keep
-    return True
 
 
 _keep_jax_cache_bytes()
@@ -128,9 +139,11 @@ _keep_jax_cache_bytes()
 
 def _compile(jitted: Any, args: tuple, statics: dict[str, Any]) -> tuple[jax.stages.Compiled, bool, bytes | None]:
     """(jitted compiled for the call, whether JAX's persistent cache supplied the program, and then the
-    serialised executable its entry held, if `_keep_jax_cache_bytes` saw it)."""
+    serialised executable its entry held, if `_keep_jax_cache_bytes` saw it). Only the compilation is
+    watched: a cache read while lowering would be another program's."""
+    lowered = jitted.lower(*args, **statics)
     _compiling.jax_cache_hit, _compiling.jax_cache_bytes = False, None
-    compiled = jitted.lower(*args, **statics).compile()
+    compiled = lowered.compile()
     hit = _compiling.jax_cache_hit
     return compiled, hit, _compiling.jax_cache_bytes if hit else None
 
@@ -139,7 +152,7 @@ class _Placeholder:
     """The XLA executable of a serialised program, held while its payload is pickled again."""
 
 
-def _with_executable(payload: bytes, executable: bytes, devices: list) -> bytes:
+def _with_executable(payload: bytes, executable: bytes, devices: list | None) -> bytes:
     """`serialize_executable.serialize`'s payload with its XLA executable's bytes replaced by
     `executable`: read back and written again by jax's own (private) unpickler and pickler, with the
     executable (which they write as ("exec", bytes)) left as a placeholder in between."""
@@ -154,7 +167,7 @@ def _with_executable(payload: bytes, executable: bytes, devices: list) -> bytes:
             return ("exec", executable) if isinstance(obj, _Placeholder) else super().persistent_id(obj)
 
     with io.BytesIO() as out:
-        Writer(out).dump(Reader(io.BytesIO(payload), backend, devices or None).load())
+        Writer(out).dump(Reader(io.BytesIO(payload), backend, devices).load())
         return out.getvalue()
 
 
@@ -216,7 +229,7 @@ class ExecutableStore:
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             if executable is not None:
-                payload = _with_executable(payload, executable, devices or [])
+                payload = _with_executable(payload, executable, devices or None)
             blob = pickle.dumps((payload, in_tree, out_tree))
         except Exception as exc:  # a program that cannot be serialised is compiled at every start
             log.info("executable %s not stored: %s", key[:12], exc)

@@ -60,7 +60,7 @@ def open_source(model: str | Path | None, *, weights: bool = True) -> ModelSourc
 
 def _directory(name: str, directory: Path, weights: bool) -> ModelSource:
     return directory_source(name, directory, stored_quantized=builtin.converted_from_quantized(directory),
-                            weights=weights)
+                            with_tokenizer=weights)
 
 
 def load_checkpoint(

@@ -16,12 +16,12 @@ from gemmax.weights.source import ModelSource, TensorIndex
 from gemmax.weights.tokenizer import load_tokenizer
 
 
-def directory_source(name: str, directory: Path, *, stored_quantized: bool, weights: bool = True) -> ModelSource:
-    """A ModelSource over an HF directory: its config now, its tensors when `tensors()` opens them and
-    its tokenizer when first asked for (none when `weights` is False: a config is all that is wanted)."""
+def directory_source(name: str, directory: Path, *, stored_quantized: bool, with_tokenizer: bool = True) -> ModelSource:
+    """A ModelSource over an HF directory: its config now, its tensors when `tensors()` opens them and,
+    `with_tokenizer`, its tokenizer when first asked for."""
     return ModelSource(name=name, kind="safetensors", path=directory, config=ModelConfig.from_dir(directory),
                        stored_quantized=stored_quantized, tensors=lambda: read_tensors(directory),
-                       open_tokenizer=(lambda: load_tokenizer(directory)) if weights else None)
+                       open_tokenizer=(lambda: load_tokenizer(directory)) if with_tokenizer else None)
 
 
 def read_tensors(directory: Path) -> TensorIndex:

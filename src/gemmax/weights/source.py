@@ -44,7 +44,8 @@ class ModelSource:
     def tokenizer(self) -> Tokenizer | None:
         """Loaded on first use: Gemma's 262,144-entry tokenizer takes 1-1.5 s and holds the GIL
         throughout, so `gemmax serve` asks for it only once the engine's warm-up runs beside it
-        (`gemmax.engine.loading.start_engine`)."""
+        (`gemmax.engine.loading.start_engine`). An HF directory reads its files then; a GGUF's
+        tokenizer is built when the file is opened (`gguf_source`) and only handed over here."""
         return None if self.open_tokenizer is None else self.open_tokenizer()
 
     @property
