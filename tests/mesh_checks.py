@@ -78,7 +78,7 @@ def _engine_tokens(loaded, spec):
     """Greedy tokens of 8 requests (9-token prompts, 10..17 new tokens) through the batching engine on
     `spec`, all submitted at once (`loaded`: the model as loaded for a mesh, shared by every engine)."""
     engine = BatchEngine(loaded, max_model_len=MAX_LEN, max_batch=ROWS, buckets=(16,), steps_per_dispatch=4,
-                         mesh=spec).start()
+                         mesh=spec, warm_up=False).start()
     assert engine.wait_ready(600), engine.error
     prompts = _prompts(loaded.checkpoint.config.vocab_size)
     handles = [engine.submit(GenerationRequest(p, max_tokens=10 + i, ignore_eos=True)) for i, p in enumerate(prompts)]

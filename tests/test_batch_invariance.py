@@ -21,7 +21,8 @@ def engine(hf_checkpoints, tmp_path_factory):
     # The device policy's dtypes (bf16 weights and KV cache on CPU): the serving configuration.
     loaded = load_model(str(hf_checkpoints["g4_shared"][0]))
     eng = BatchEngine(loaded, max_model_len=300, max_batch=3, buckets=(64,), steps_per_dispatch=2,
-                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")), batch_invariant=True).start()
+                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")), batch_invariant=True,
+                      warm_up=False).start()
     assert eng.wait_ready(300)
     yield eng
     eng.shutdown(drain_timeout=5)

@@ -293,7 +293,7 @@ def test_model_forced_into_a_loop_is_flagged_degenerate(loaded):
     params = dict(loaded.checkpoint.params)
     params["final_norm"] = jnp.zeros_like(params["final_norm"])
     broken = dataclasses.replace(loaded, checkpoint=dataclasses.replace(loaded.checkpoint, params=params))
-    eng = BatchEngine(broken, max_model_len=64, max_batch=1, buckets=(8,), steps_per_dispatch=4).start()
+    eng = BatchEngine(broken, max_model_len=64, max_batch=1, buckets=(8,), steps_per_dispatch=4, warm_up=False).start()
     try:
         assert eng.wait_ready(300)
         result = eng.submit(GenerationRequest((3, 4, 5), max_tokens=32, ignore_eos=True)).wait()
@@ -301,6 +301,24 @@ def test_model_forced_into_a_loop_is_flagged_degenerate(loaded):
         eng.shutdown(1)
     assert set(result.token_ids) == {0}
     assert result.degeneracy.degenerate and "period 1" in result.degeneracy.reason
+
+
+def test_without_warm_up_each_shape_compiles_on_its_first_use(loaded):
+    """`warm_up=False` (`serve --no-warm-up`): ready with no program compiled; the first request of a
+    shape compiles it and says so, the next one of that shape does not, and both give `generate`'s tokens."""
+    eng = BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(8,), steps_per_dispatch=3, warm_up=False).start()
+    try:
+        assert eng.wait_ready(300)
+        report = eng.warmup_report
+        assert report["warm_up"] is False and report["shapes"] == 0 and report["shapes_declared"] > 0
+        assert eng.steps.summary()["executables"] == 0  # nothing compiled or loaded before ready
+        prompt = (5, 9, 2, 7, 1)
+        first, second = (eng.submit(GenerationRequest(prompt, max_tokens=7, ignore_eos=True)).wait() for _ in range(2))
+        assert first.timings.uncompiled_shape and not second.timings.uncompiled_shape
+        assert list(first.token_ids) == list(second.token_ids) == _reference(loaded, prompt, 7)
+        assert eng.steps.summary()["executables"] > 0
+    finally:
+        eng.shutdown(1)
 
 
 def test_degeneracy_check_judges_loops_collapse_and_normal_text():

@@ -261,7 +261,7 @@ def mtp_engine(target, mtp_files):
 
     assistant = load_assistant(mtp_files["assistant"][0], jnp.float32)
     engine = BatchEngine(target, max_model_len=160, max_batch=2, buckets=(16,), steps_per_dispatch=3,
-                         speculation=_speculation(), assistant=assistant).start()
+                         speculation=_speculation(), assistant=assistant, warm_up=False).start()
     assert engine.wait_ready(900)
     yield engine
     engine.shutdown(drain_timeout=5)

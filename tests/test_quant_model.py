@@ -206,7 +206,8 @@ def test_load_model_quantises_counts_and_reports(hf_checkpoints, caplog):
 
 def test_engine_serves_the_quantised_model_and_reports_it(hf_checkpoints):
     loaded = load_model(str(hf_checkpoints["g4_shared"][0]), quant=ALL)
-    engine = BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(16,), steps_per_dispatch=2).start(background=False)
+    engine = BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(16,), steps_per_dispatch=2,
+                         warm_up=False).start(background=False)
     try:
         assert engine.wait_ready(300)
         prompt = (2, 17, 33, 5, 90, 41, 7)

@@ -177,7 +177,7 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--model", str(checkpoint), "--port",
                              str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny",
-                             "--batch-invariant"],
+                             "--batch-invariant", "--no-warm-up"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
@@ -192,11 +192,13 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
         health = httpx.get(f"{url}/health").json()
         assert health["policy"]["platform"] == "cpu" and health["precision"]["weights"] == "bfloat16"
         assert health["weight_bytes"] > 0 and health["max_model_len"] == 64 and health["slots"]["total"] == 2
-        assert health["batch_invariant"] is True  # the flag reached the engine
+        assert health["batch_invariant"] is True  # the flags reached the engine
+        assert health["warmup"]["warm_up"] is False and health["warmup"]["executables"] == 0
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                            temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
+        assert r.usage.model_extra["uncompiled_shape"] is True  # its shapes compiled on this first use
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -80,7 +80,7 @@ def engine(loaded, drafts):
     # One engine for prompt lookup and the draft model (its proposal and verify shapes warmed too):
     # rows of both methods share its verify steps.
     eng = BatchEngine(loaded, max_model_len=160, max_batch=2, buckets=(16,), steps_per_dispatch=3,
-                      speculation=PLAIN, draft=drafts["related"]).start()
+                      speculation=PLAIN, draft=drafts["related"], warm_up=False).start()
     assert eng.wait_ready(900)
     yield eng
     eng.shutdown(drain_timeout=5)
@@ -399,7 +399,7 @@ def builtin_engine():
     loaded = load_model(None, "float32")  # the built-in Gemma 3 270M
     # KV buckets (256, 512): the verify steps choose one on the device (`verify_rows`' tuple of bounds)
     eng = BatchEngine(loaded, max_model_len=512, max_batch=1, buckets=(64,), steps_per_dispatch=4,
-                      speculation=PLAIN).start()
+                      speculation=PLAIN, warm_up=False).start()
     assert eng.wait_ready(900)
     yield eng, loaded.tokenizer
     eng.shutdown(drain_timeout=5)

@@ -40,7 +40,7 @@ PROMPT = "Here is the record as JSON:\n"
 def engine(tmp_path_factory):
     loaded = load_model(None)  # the serve default: int8 linear layers and LM head
     eng = BatchEngine(loaded, max_model_len=512, max_batch=8, buckets=(64,), steps_per_dispatch=4,
-                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")), prefix_cache_bytes=64 << 20)
+                      compile_cache_dir=str(tmp_path_factory.mktemp("xla")), prefix_cache_bytes=64 << 20, warm_up=False)
     # Full-batch decode steps only (no smaller groups): a quarter of the compiled decode shapes, free
     # and masked. Free rows are still compared alone (7 idle neighbours) against constrained neighbours;
     # the masked small-group step runs in tests/test_tool_calls_thinking.py and the benchmark.

@@ -124,7 +124,7 @@ def tiny_loaded(tmp_path_factory):
 def tiny_engine(tiny_loaded):
     from gemmax.engine.engine import BatchEngine
 
-    eng = BatchEngine(tiny_loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2)
+    eng = BatchEngine(tiny_loaded, max_model_len=64, max_batch=4, buckets=(16,), steps_per_dispatch=2, warm_up=False)
     eng.shapes = dataclasses.replace(eng.shapes, decode_groups=(4,))  # one decode shape: free and masked
     eng.start()
     assert eng.wait_ready(300)

@@ -58,7 +58,7 @@ def server(tmp_path_factory):
     directory = special_checkpoint(tmp_path_factory.mktemp("think") / "ckpt")
     loaded = load_model(str(directory), "float32")
     assert loaded.tokenizer.token_to_id("<|channel>") == OPEN_ID
-    engine = BatchEngine(loaded, max_model_len=256, max_batch=2, buckets=(32,), steps_per_dispatch=2).start()
+    engine = BatchEngine(loaded, max_model_len=256, max_batch=2, buckets=(32,), steps_per_dispatch=2, warm_up=False).start()
     with running_server(create_app(engine, loaded.tokenizer, ServerSettings(served_model_name="tiny",
                                                                             model_root=str(directory)))) as url:
         assert engine.wait_ready(300)

@@ -334,6 +334,7 @@ def serve(
     coordinator: str = typer.Option(None, help=_COORDINATOR_HELP),
     num_processes: int = typer.Option(None, min=1, help=_NUM_PROCESSES_HELP),
     process_id: int = typer.Option(None, min=0, help="several hosts: this process's index (0 serves HTTP, the others follow its schedule)"),
+    warm_up: bool = typer.Option(True, "--warm-up/--no-warm-up", help="compile (or load) every declared shape and run it once before ready; --no-warm-up: ready once the model is loaded, each shape compiled or loaded by the first request that needs it (seconds to minutes for that request, reported as uncompiled_shape; for development, as llama.cpp's --no-warmup; one process only)"),
     quant=None,
 ) -> None:
     """OpenAI-compatible HTTP server (docs/server.md). /health answers 503 while loading and warming.
@@ -341,7 +342,8 @@ def serve(
     Start-up of the built-in model on a 2-core CPU (README "Start-up"): 65-85 s with an empty
     compile cache (23 programs compiled; 64.8 s in the latest run), 15-20 s with a warm one (loaded,
     not compiled; 15.9 s); each program then runs before ready (a prefill chunk's below the largest
-    bucket at each past it can read), so a shape's first request does not pay XLA's first-run set-up."""
+    bucket at each past it can read), so a shape's first request does not pay XLA's first-run set-up.
+    --no-warm-up skips all of that: ready once the model is loaded, each shape's first request pays it."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):
         raise typer.BadParameter("--on-degenerate must be 'flag' or 'error'")
@@ -351,8 +353,10 @@ def serve(
     speculation = _speculation(speculative, spec_k, draft_model)
     if draft_model is not None and (spec is not None or coordinator is not None):
         raise typer.BadParameter("--draft-model runs on one device and one process: not with --mesh or --coordinator")
+    if not warm_up and coordinator is not None:
+        raise typer.BadParameter("--no-warm-up runs in one process: not with --coordinator")
     engine_options = dict(max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None,
-                          batch_invariant=batch_invariant, speculation=speculation,
+                          batch_invariant=batch_invariant, speculation=speculation, warm_up=warm_up,
                           prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only
     if _join_processes(spec, coordinator, num_processes, process_id):
         import jax

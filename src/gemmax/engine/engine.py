@@ -4,7 +4,10 @@ Device state: one KV cache with `max_batch` rows of `max_model_len` positions (s
 ring), one SamplingState row per slot, and per-slot last token / position / remaining budget. The
 compiled shapes are a small declared set, all compiled ahead of time by `warm_up` before the engine
 reports ready (each then run on idle rows: XLA:CPU's first run of a program is slower), and kept
-on disk as executables that the next start loads (gemmax.engine.executables):
+on disk as executables that the next start loads (gemmax.engine.executables). With `warm_up=False`
+(`gemmax serve --no-warm-up`) the engine is ready once its state is allocated and each shape is
+compiled, or loaded from the store, by the first request that needs it (which reports
+`uncompiled_shape`), as llama.cpp's `--no-warmup` does:
 
     prefill[bucket]   tokens [1, bucket] into one slot; a prompt is split into chunks of the buckets
                       (`plan_chunks`: full chunks, then the rest in the bucket that wastes least)
@@ -203,7 +206,7 @@ class BatchEngine:
                  buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 4,
                  compile_cache_dir: str | None = None, max_queue: int | None = None, mesh=None,
                  batch_invariant: bool = False, schedule=None, prefix_cache_bytes: int | None = 0,
-                 speculation: Speculation | None = None, draft=None, assistant=None):
+                 speculation: Speculation | None = None, draft=None, assistant=None, warm_up: bool = True):
         if batch_invariant and mesh is not None:
             raise ValueError("--batch-invariant runs on one device: it cannot be combined with --mesh")
         if speculation is not None and (mesh is not None or batch_invariant):
@@ -224,6 +227,10 @@ class BatchEngine:
                              "on-request) with --draft-model")
         if assistant is not None and draft is not None:
             raise ValueError("one drafter per engine: a draft model or an MTP assistant, not both")
+        if not warm_up and schedule is not None:
+            raise ValueError("--no-warm-up runs in one process: every process of a schedule compiles the declared "
+                             "shapes before process 0 serves")
+        self.warm_up = warm_up  # False: no shape compiled before ready, each on its first use
         self.speculation = speculation
         self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
         # An MTP assistant's sliding layers see W + 1 positions back: one more slot (gemmax.engine.mtp).
@@ -482,13 +489,17 @@ class BatchEngine:
         the next compiles); on one device each compiled step is kept in the compile cache's
         executable store, so the next start loads it instead. Then one throwaway request of the
         smallest bucket, twice, runs through the real admission and decode path, compiling the small
-        helper kernels a request uses (slot updates, sampling rows)."""
+        helper kernels a request uses (slot updates, sampling rows). Without `warm_up` only the state
+        (and the prefix cache) is allocated: `_skip_warm_up`."""
         with compile_cache.track(self.compile_cache_dir) as tracker:
             started = time.perf_counter()
             if self.mesh is None and jax.process_count() == 1:
                 self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
             self._init_prefix_cache()
+            if not self.warm_up:
+                self._skip_warm_up(tracker, time.perf_counter() - started)
+                return
             declared, maps = self._compile_declared()
             jax.block_until_ready(self.device)
             compiled = time.perf_counter()
@@ -507,11 +518,24 @@ class BatchEngine:
         shapes = declared + self._drafter_programs()
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
-        self.warmup_report = {"compile_seconds": seconds, "shapes": shapes,
+        self.warmup_report = {"warm_up": True, "compile_seconds": seconds, "shapes": shapes,
                               "ahead_of_time_seconds": round(compiled - started, 3), **tracker.summary(),
                               **executables, "executables_never_run": self.steps.never_run()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
+        self._ready.set()
+
+    def _skip_warm_up(self, tracker: compile_cache.Tracker, seconds: float) -> None:
+        """Ready with nothing compiled (`warm_up=False`): the persistent cache and the executable store
+        are on, so each declared shape is compiled, or loaded, by the first call that needs it, in the
+        engine's loop (every running request waits for it), and that request reports
+        `uncompiled_shape`. No memory-map budget is checked ahead (`MapBudget`), and XLA:CPU's first-run
+        set-up of each program falls on a request too."""
+        declared = len(self._declared_calls()) + self._drafter_programs()
+        self.warmup_report = {"warm_up": False, "compile_seconds": seconds, "shapes": 0, "shapes_declared": declared,
+                              "ahead_of_time_seconds": 0.0, **tracker.summary(), **self.steps.summary()}
+        log.info("warm-up skipped (--no-warm-up): ready in %.2f s; each of the %d declared shapes is compiled, or "
+                 "loaded from the store, by the first request that needs it (uncompiled_shape)", seconds, declared)
         self._ready.set()
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
