@@ -201,9 +201,9 @@ def test_a_decode_dispatch_copies_nothing_from_the_host_once_its_values_were_see
     engine's own loop is idle meanwhile (no request is running), for every slot and for a group."""
     want = np.zeros(engine.max_batch, np.bool_)
     for rows in (None, np.arange(2, dtype=np.int32)):
-        jax.block_until_ready(engine._dispatch_decode(1, want, rows))  # the values are seen once
+        jax.block_until_ready(engine._dispatch_decode(1, want, rows)[0])  # the values are seen once
         with jax.transfer_guard_host_to_device("disallow_explicit"):
-            outputs = engine._dispatch_decode(2, want, rows)
+            outputs, _ = engine._dispatch_decode(2, want, rows)
         jax.block_until_ready(outputs)
     # and the engine serves as before
     handle = engine.submit(GenerationRequest((5, 6, 7), max_tokens=5, ignore_eos=True))
@@ -305,18 +305,28 @@ def test_model_forced_into_a_loop_is_flagged_degenerate(loaded):
 
 def test_without_warm_up_each_shape_compiles_on_its_first_use(loaded):
     """`warm_up=False` (`serve --no-warm-up`): ready with no program compiled; the first request of a
-    shape compiles it and says so, the next one of that shape does not, and both give `generate`'s tokens."""
+    shape compiles it and says so, the next one of that shape does not, and all give `generate`'s
+    tokens. A request decoding alone when a second one arrives waits for the two-row decode step's
+    first compile, and says so too."""
     eng = BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(8,), steps_per_dispatch=3, warm_up=False).start()
     try:
         assert eng.wait_ready(300)
         report = eng.warmup_report
         assert report["warm_up"] is False and report["shapes"] == 0 and report["shapes_declared"] > 0
         assert eng.steps.summary()["executables"] == 0  # nothing compiled or loaded before ready
-        prompt = (5, 9, 2, 7, 1)
+        prompt, other = (5, 9, 2, 7, 1), (8, 3, 3, 6)
         first, second = (eng.submit(GenerationRequest(prompt, max_tokens=7, ignore_eos=True)).wait() for _ in range(2))
         assert first.timings.uncompiled_shape and not second.timings.uncompiled_shape
         assert list(first.token_ids) == list(second.token_ids) == _reference(loaded, prompt, 7)
-        assert eng.steps.summary()["executables"] > 0
+        # every one-row program is compiled now; the two-row decode step is not
+        running = eng.submit(GenerationRequest(prompt, max_tokens=40, ignore_eos=True))
+        tokens = iter(running)
+        next(tokens), next(tokens)  # decoding alone
+        joining = eng.submit(GenerationRequest(other, max_tokens=12, ignore_eos=True)).wait()
+        list(tokens)
+        assert running.result.timings.uncompiled_shape and joining.timings.uncompiled_shape
+        assert list(running.result.token_ids) == _reference(loaded, prompt, 40)
+        assert list(joining.token_ids) == _reference(loaded, other, 12)
     finally:
         eng.shutdown(1)
 

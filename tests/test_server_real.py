@@ -1,6 +1,7 @@
 """The server over the real BatchEngine and a tiny random Gemma 4 checkpoint (tests/tiny_checkpoint.py):
 greedy output equals `gemmax generate`, 16 concurrent streaming clients all get the reference answer,
-a disconnect frees its slot within a second, and `gemmax serve` goes 503 -> 200 and drains on SIGTERM."""
+a disconnect frees its slot within a second, and `gemmax serve` goes 503 -> 200 and drains on SIGTERM
+(with `--no-warm-up`, ready with nothing compiled)."""
 
 from __future__ import annotations
 
@@ -170,14 +171,18 @@ def test_disconnect_frees_the_slot(server):
         time.sleep(0.02)
 
 
-def test_gemmax_serve_health_and_sigterm(checkpoint):
+@contextlib.contextmanager
+def _serving(checkpoint, *flags: str):
+    """`gemmax serve` of the tiny checkpoint in a subprocess: yields (base URL, the /health statuses seen
+    until the first 200) once ready; on exit SIGTERM, which must end it with status 0, then checks its
+    log names the device policy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--model", str(checkpoint), "--port",
                              str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny",
-                             "--batch-invariant", "--no-warm-up"],
+                             *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
@@ -188,17 +193,7 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
                 r = httpx.get(f"{url}/health", timeout=5)
                 seen.append((r.status_code, r.json()["status"]))
             time.sleep(0.1)
-        assert seen[0][0] == 503 and seen[0][1] in ("loading", "warming")
-        health = httpx.get(f"{url}/health").json()
-        assert health["policy"]["platform"] == "cpu" and health["precision"]["weights"] == "bfloat16"
-        assert health["weight_bytes"] > 0 and health["max_model_len"] == 64 and health["slots"]["total"] == 2
-        assert health["batch_invariant"] is True  # the flags reached the engine
-        assert health["warmup"]["warm_up"] is False and health["warmup"]["executables"] == 0
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           temperature=0)
-        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
-        assert r.usage.model_extra["uncompiled_shape"] is True  # its shapes compiled on this first use
+        yield url, seen
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -206,6 +201,37 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
             proc.kill()
         output = proc.communicate()[0]
     assert "gemmax device policy" in output
+
+
+def _chat(url: str):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
+    return r
+
+
+def test_gemmax_serve_health_and_sigterm(checkpoint):
+    with _serving(checkpoint, "--batch-invariant") as (url, seen):
+        assert seen[0][0] == 503 and seen[0][1] in ("loading", "warming")
+        health = httpx.get(f"{url}/health").json()
+        assert health["policy"]["platform"] == "cpu" and health["precision"]["weights"] == "bfloat16"
+        assert health["weight_bytes"] > 0 and health["max_model_len"] == 64 and health["slots"]["total"] == 2
+        assert health["batch_invariant"] is True  # the flag reached the engine
+        assert health["warmup"]["warm_up"] is True and health["warmup"]["shapes"] > 0
+        assert _chat(url).usage.model_extra["uncompiled_shape"] is False  # warmed up
+
+
+def test_gemmax_serve_without_warm_up_compiles_on_first_use(checkpoint):
+    """`--no-warm-up`: ready with no declared shape compiled; the first request compiles what it needs
+    and says so, the same request again does not. Refused with several processes, before any load."""
+    refused = CliRunner().invoke(cli, ["serve", "--no-warm-up", "--num-processes", "2", "--mesh", "dp=2"])
+    assert refused.exit_code == 2 and "--no-warm-up runs in one process" in " ".join(refused.output.split())
+    with _serving(checkpoint, "--no-warm-up") as (url, _):
+        warmup = httpx.get(f"{url}/health").json()["warmup"]
+        assert warmup["warm_up"] is False and warmup["executables"] == 0 and warmup["shapes_declared"] > 0
+        assert _chat(url).usage.model_extra["uncompiled_shape"] is True
+        assert _chat(url).usage.model_extra["uncompiled_shape"] is False
 
 
 async def test_a_request_the_engine_cannot_represent_hurts_no_other(server, loaded):

@@ -77,7 +77,7 @@ def drafts(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(loaded, drafts):
-    # One engine for prompt lookup and the draft model (its proposal and verify shapes warmed too):
+    # One engine for prompt lookup and the draft model, its shapes compiled by the tests' requests (no warm-up):
     # rows of both methods share its verify steps.
     eng = BatchEngine(loaded, max_model_len=160, max_batch=2, buckets=(16,), steps_per_dispatch=3,
                       speculation=PLAIN, draft=drafts["related"], warm_up=False).start()
@@ -423,6 +423,6 @@ def test_builtin_model_greedy_speculative_equals_plain(builtin_engine):
         result = _run(engine, prompt, 48, Speculation("ngram", k)).wait()
         assert result.token_ids == reference, f"k={k}"
         assert result.speculation.accepted > 0, result.speculation
-    # One verify program per k (one decode group), warmed at start and run in both KV buckets, where
-    # a program per bucket would make it two per k.
+    # One verify program per k (one decode group), compiled by these requests (the engine skips the
+    # warm-up) and run in both KV buckets, where a program per bucket would make it two per k.
     assert engine.steps.verify_rows.size() == len(SPEC_KS)

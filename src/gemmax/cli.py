@@ -140,10 +140,15 @@ def generate(
         typer.echo(text if text is not None else ",".join(map(str, out)))
 
 
+def _several_processes(coordinator: str | None, num_processes: int | None) -> bool:
+    """Whether the flags or JAX_COORDINATOR_ADDRESS ask for several processes."""
+    return coordinator is not None or num_processes is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+
+
 def _join_processes(spec, coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
-    """`jax.distributed.initialize` when the flags or JAX_COORDINATOR_ADDRESS ask for several
-    processes (before anything touches a device); returns whether they did."""
-    if coordinator is None and num_processes is None and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+    """`jax.distributed.initialize` when several processes are asked for (`_several_processes`), before
+    anything touches a device; returns whether they were."""
+    if not _several_processes(coordinator, num_processes):
         return False
     if spec is None:
         raise typer.BadParameter("several processes need --mesh over their devices")
@@ -353,8 +358,9 @@ def serve(
     speculation = _speculation(speculative, spec_k, draft_model)
     if draft_model is not None and (spec is not None or coordinator is not None):
         raise typer.BadParameter("--draft-model runs on one device and one process: not with --mesh or --coordinator")
-    if not warm_up and coordinator is not None:
-        raise typer.BadParameter("--no-warm-up runs in one process: not with --coordinator")
+    if not warm_up and _several_processes(coordinator, num_processes):  # every process refuses, before it loads
+        raise typer.BadParameter("--no-warm-up runs in one process: not with --coordinator, --num-processes or "
+                                 "JAX_COORDINATOR_ADDRESS")
     engine_options = dict(max_model_len=max_model_len, max_batch=max_batch, max_queue=max_queue or None,
                           batch_invariant=batch_invariant, speculation=speculation, warm_up=warm_up,
                           prefix_cache_bytes=prefix_cache_bytes if spec is None else 0)  # one device only

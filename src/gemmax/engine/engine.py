@@ -230,7 +230,7 @@ class BatchEngine:
         if not warm_up and schedule is not None:
             raise ValueError("--no-warm-up runs in one process: every process of a schedule compiles the declared "
                              "shapes before process 0 serves")
-        self.warm_up = warm_up  # False: no shape compiled before ready, each on its first use
+        self.warm_up_before_ready = warm_up  # False: no declared shape compiled before ready, each on its first use
         self.speculation = speculation
         self.spec_ks: tuple[int, ...] = () if speculation is None else SPEC_KS
         # An MTP assistant's sliding layers see W + 1 positions back: one more slot (gemmax.engine.mtp).
@@ -427,7 +427,8 @@ class BatchEngine:
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, background: bool = True) -> BatchEngine:
-        """Warm up (compile every declared shape), then run the scheduling loop."""
+        """Warm up (compile every declared shape; with `warm_up=False` only allocate the state), then run
+        the scheduling loop."""
         if background:
             self._thread = threading.Thread(target=self._run, name="gemmax-engine", daemon=True)
             self._thread.start()
@@ -497,7 +498,8 @@ class BatchEngine:
                 self.steps.store = ExecutableStore(tracker.directory / STORE_DIR)
             self._init_device_state()
             self._init_prefix_cache()
-            if not self.warm_up:
+            if not self.warm_up_before_ready:
+                jax.block_until_ready(self.device)  # an allocation that fails does so before ready
                 self._skip_warm_up(tracker, time.perf_counter() - started)
                 return
             declared, maps = self._compile_declared()
@@ -526,14 +528,18 @@ class BatchEngine:
         self._ready.set()
 
     def _skip_warm_up(self, tracker: compile_cache.Tracker, seconds: float) -> None:
-        """Ready with nothing compiled (`warm_up=False`): the persistent cache and the executable store
-        are on, so each declared shape is compiled, or loaded, by the first call that needs it, in the
-        engine's loop (every running request waits for it), and that request reports
-        `uncompiled_shape`. No memory-map budget is checked ahead (`MapBudget`), and XLA:CPU's first-run
-        set-up of each program falls on a request too."""
-        declared = len(self._declared_calls()) + self._drafter_programs()
-        self.warmup_report = {"warm_up": False, "compile_seconds": seconds, "shapes": 0, "shapes_declared": declared,
-                              "ahead_of_time_seconds": 0.0, **tracker.summary(), **self.steps.summary()}
+        """Ready with no declared shape compiled (`warm_up=False`; `seconds`: allocating the state):
+        the persistent cache and the executable store are on, so each declared shape is compiled, or
+        loaded, by the first call that needs it, in the engine's loop (every running request waits for
+        it), and the requests that waited report `uncompiled_shape` (a draft model's or MTP assistant's
+        own steps excepted: they are plain jitted functions). No memory-map budget is checked ahead
+        (`MapBudget`), and XLA:CPU's first-run set-up of each program falls on a request too."""
+        copies = () if self.prefix_cache is None else self.prefix_cache.declared_calls(self.device.cache)
+        declared = len(self._declared_calls()) + len(copies) + self._drafter_programs()
+        executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
+        self.warmup_report = {"warm_up": False, "compile_seconds": 0.0, "setup_seconds": round(seconds, 3), "shapes": 0,
+                              "shapes_declared": declared, "ahead_of_time_seconds": 0.0, **tracker.summary(),
+                              **executables, "executables_never_run": 0}
         log.info("warm-up skipped (--no-warm-up): ready in %.2f s; each of the %d declared shapes is compiled, or "
                  "loaded from the store, by the first request that needs it (uncompiled_shape)", seconds, declared)
         self._ready.set()
@@ -789,13 +795,17 @@ class BatchEngine:
     def _dispatch_decode(self, steps: int, want_logprobs: np.ndarray, rows: np.ndarray | None = None):
         """Enqueue `steps` decode steps back to back (nothing waits for the host in between) for all
         slots, or for the group `rows`, with log-probs for the slots `want_logprobs` [slots] marks;
-        returns each step's outputs (per slot, or per row of `rows`) as device arrays, still being
-        computed. Each step is two dispatches: the forward (logits), then the sampling."""
-        outputs = []
+        returns (each step's outputs, per slot or per row of `rows`, as device arrays still being
+        computed; whether a program of these steps compiled or loaded now). Each step is two
+        dispatches: the forward (logits), then the sampling."""
+        outputs, compiled = [], False
         group, drawn = self._group_rows(rows), self._drawn_rows(rows, want_logprobs)
         for _ in range(steps):
-            outputs.append(self._sample(self._forward(group), *drawn)[0])
-        return outputs
+            logits, forward_compiled = self._forward(group)
+            out, draw_compiled = self._sample(logits, *drawn)
+            outputs.append(out)
+            compiled |= forward_compiled or draw_compiled
+        return outputs, compiled
 
     def _drawn_rows(self, rows: np.ndarray | None, want_logprobs: np.ndarray) -> tuple[jax.Array | None, ...]:
         """`draw`'s rows, log-prob flags and rows taking part, for a decode step of every slot (`rows`
@@ -805,11 +815,19 @@ class BatchEngine:
         return (self._on_device(rows, np.int32), self._on_device(want_logprobs[rows]),
                 self._on_device(np.ones(len(rows), np.bool_)))
 
-    def _forward(self, rows: jax.Array | None) -> jax.Array:
-        """Enqueue the forward half of a decode step; returns its logits."""
+    def _forward(self, rows: jax.Array | None) -> tuple[jax.Array, bool]:
+        """Enqueue the forward half of a decode step; (its logits, whether its program compiled or
+        loaded now)."""
         args, statics = self._forward_args(rows)
-        self.device, logits = self.steps.decode_forward(*args, **statics)
-        return logits
+        (self.device, logits), compiled = self.steps.decode_forward.run(*args, **statics)
+        return logits, compiled
+
+    def _mark_uncompiled(self, slot_of) -> None:
+        """The running requests of the slots `slot_of` waited for a program compiled or loaded now:
+        their timings say so (`uncompiled_shape`)."""
+        for i in slot_of:
+            if self._slots[i] is not None:
+                self._slots[i].uncompiled = True
 
     def _decode_constrained(self, steps: int, rows: np.ndarray | None, slot_of) -> None:
         """`steps` decode steps while some row is constrained, pipelined as vLLM does: step n's
@@ -826,19 +844,17 @@ class BatchEngine:
         prefill waits for the step being sampled, not the rest of the dispatch."""
         group, drawn = self._group_rows(rows), self._drawn_rows(rows, self.want_logprobs)
         self._constrained_sizes.add(len(slot_of))
-        logits = self._forward(group)
+        logits, compiled = self._forward(group)
         for n in range(steps):
             if n and all(self._slots[i] is None for i in slot_of):
                 break  # every row has ended: the forward in flight was for nothing, and no more follow
             masks = jnp.asarray(self._constraint_masks(slot_of))
-            out, compiled = self._sample(logits, *drawn, masks)
-            if compiled:  # this group's masked draw compiled now: its rows' timings say so
-                for i in slot_of:
-                    if self._slots[i] is not None:
-                        self._slots[i].uncompiled = True
+            out, draw_compiled = self._sample(logits, *drawn, masks)
+            if compiled or draw_compiled:  # e.g. this group's masked draw compiled now
+                self._mark_uncompiled(slot_of)
             last = n + 1 == steps or self._admission_waiting()
             if not last:
-                logits = self._forward(group)
+                logits, compiled = self._forward(group)
             self._deliver(out, slot_of)
             if last:
                 break
@@ -846,11 +862,12 @@ class BatchEngine:
     def _dispatch_verify(self, rows: np.ndarray, proposals, num_proposed: np.ndarray, q=None,
                          drafted: np.ndarray | None = None):
         """Enqueue one verify step of the group `rows` (steps.verify_rows, reading the KV bucket its
-        rows' context needs); its outputs per row of `rows`, as device arrays. With a draft model:
-        q [g, k, V] and `drafted` [g] (the rows whose proposals the draft drew from q)."""
+        rows' context needs); (its outputs per row of `rows`, as device arrays; whether its program
+        compiled or loaded now). With a draft model: q [g, k, V] and `drafted` [g] (the rows whose
+        proposals the draft drew from q)."""
         args, statics = self._verify_args(rows, proposals, num_proposed, q, drafted)
-        self.device, out = self.steps.verify_rows(*args, **statics)
-        return out
+        (self.device, out), compiled = self.steps.verify_rows.run(*args, **statics)
+        return out, compiled
 
     def _decode_group(self) -> np.ndarray | None:
         """The slots to step: None (all) when the smallest compiled group that holds every active slot
@@ -1191,13 +1208,18 @@ class BatchEngine:
         the dispatch, before its prefill runs. Across processes every step of the dispatch is one
         replayed call, as before (each call costs the followers two broadcasts: docs/mesh.md)."""
         ahead = steps if self.schedule is not None else min(steps, LOOKAHEAD_STEPS)
-        pending = self._dispatch_decode(ahead, self.want_logprobs, rows)
+        pending, compiled = self._dispatch_decode(ahead, self.want_logprobs, rows)
+        if compiled:
+            self._mark_uncompiled(slot_of)
         for _ in range(steps - ahead):
             self._deliver(pending.pop(0), slot_of)  # this step's tokens go out while the device runs the next
             self._reap_cancelled()
             if self._admission_waiting() or all(self._slots[i] is None for i in slot_of):
                 break
-            pending += self._dispatch_decode(1, self.want_logprobs, rows)
+            more, compiled = self._dispatch_decode(1, self.want_logprobs, rows)
+            if compiled:
+                self._mark_uncompiled(slot_of)
+            pending += more
         for out in pending:
             self._deliver(out, slot_of)
 
@@ -1274,14 +1296,16 @@ class BatchEngine:
             table[j, : len(proposed)], counts[j] = proposed, len(proposed)
         rows = np.asarray(slot_of, np.int32)
         if self.drafter is None and self.mtp is None:
-            out = self._dispatch_verify(rows, table, counts)
+            out, compiled = self._dispatch_verify(rows, table, counts)
         else:  # one verify shape per (group, k) with or without draft rows: q unused when none drafts
             drafted = np.isin(np.arange(len(slot_of)), list(drafting))
             if drafting:
                 table, q = self._drafted(rows, drafting, table, k, self._kv_bound_after(k + 1))
             else:
                 q = jnp.zeros((len(slot_of), k, self.config.vocab_size), jnp.float32)
-            out = self._dispatch_verify(rows, table, counts, q, drafted)
+            out, compiled = self._dispatch_verify(rows, table, counts, q, drafted)
+        if compiled:
+            self._mark_uncompiled(slot_of)
         drawn, accepted, lps, top_ids, top_lps, active = jax.device_get(out)
         if self.drafter is not None:  # the draft's cache now holds the accepted tokens (but one)
             for j, context in drafting.items():
