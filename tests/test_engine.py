@@ -303,7 +303,7 @@ def test_model_forced_into_a_loop_is_flagged_degenerate(loaded):
     assert result.degeneracy.degenerate and "period 1" in result.degeneracy.reason
 
 
-def test_without_warm_up_each_shape_compiles_on_its_first_use(loaded):
+def test_without_warm_up_each_shape_compiles_on_its_first_use(loaded, monkeypatch):
     """`warm_up=False` (`serve --no-warm-up`): ready with no program compiled; the first request of a
     shape compiles it and says so, the next one of that shape does not, and all give `generate`'s
     tokens. A request decoding alone when a second one arrives waits for the two-row decode step's
@@ -318,14 +318,14 @@ def test_without_warm_up_each_shape_compiles_on_its_first_use(loaded):
         first, second = (eng.submit(GenerationRequest(prompt, max_tokens=7, ignore_eos=True)).wait() for _ in range(2))
         assert first.timings.uncompiled_shape and not second.timings.uncompiled_shape
         assert list(first.token_ids) == list(second.token_ids) == _reference(loaded, prompt, 7)
-        # every one-row program is compiled now; the two-row decode step is not
-        running = eng.submit(GenerationRequest(prompt, max_tokens=40, ignore_eos=True))
-        tokens = iter(running)
-        next(tokens), next(tokens)  # decoding alone
-        joining = eng.submit(GenerationRequest(other, max_tokens=12, ignore_eos=True)).wait()
-        list(tokens)
-        assert running.result.timings.uncompiled_shape and joining.timings.uncompiled_shape
-        assert list(running.result.token_ids) == _reference(loaded, prompt, 40)
+        # every one-row program is compiled now; the two-row decode step is not: a second request
+        # arrives during the first one's second decode dispatch (tests/arrival_watch.py)
+        watch = ArrivalWatch(eng, monkeypatch, GenerationRequest(other, max_tokens=12, ignore_eos=True))
+        watch.arm()
+        running = eng.submit(GenerationRequest(prompt, max_tokens=40, ignore_eos=True)).wait()
+        joining = watch.handle.wait()
+        assert running.timings.uncompiled_shape and joining.timings.uncompiled_shape
+        assert list(running.token_ids) == _reference(loaded, prompt, 40)
         assert list(joining.token_ids) == _reference(loaded, other, 12)
     finally:
         eng.shutdown(1)

@@ -157,7 +157,7 @@ class RequestTimings:
     decode_tokens_per_second: float  # (completion_tokens - 1) / decode_seconds; 0 with < 2 tokens
     prefill_bucket: int  # padded prefill length actually compiled (sum over chunks)
     pad_tokens: int
-    uncompiled_shape: bool  # True if this request triggered a compilation
+    uncompiled_shape: bool  # True if a step of it (its prefill, first token, or a decode / verify step of its group) compiled or loaded its program
     prefill_batch: int = 1  # prompts prefilled in one forward with this one's last chunk, itself included
 
 

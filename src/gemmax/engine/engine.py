@@ -499,7 +499,7 @@ class BatchEngine:
             self._init_device_state()
             self._init_prefix_cache()
             if not self.warm_up_before_ready:
-                jax.block_until_ready(self.device)  # an allocation that fails does so before ready
+                jax.block_until_ready(self.device)  # the state's allocation fails, if it does, before ready
                 self._skip_warm_up(tracker, time.perf_counter() - started)
                 return
             declared, maps = self._compile_declared()
@@ -531,8 +531,9 @@ class BatchEngine:
         """Ready with no declared shape compiled (`warm_up=False`; `seconds`: allocating the state):
         the persistent cache and the executable store are on, so each declared shape is compiled, or
         loaded, by the first call that needs it, in the engine's loop (every running request waits for
-        it), and the requests that waited report `uncompiled_shape` (a draft model's or MTP assistant's
-        own steps excepted: they are plain jitted functions). No memory-map budget is checked ahead
+        it), and the requests of the step that compiled report `uncompiled_shape` (not those that wait
+        beside another request's prefill, nor a draft model's or MTP assistant's own steps: plain
+        jitted functions). No memory-map budget is checked ahead
         (`MapBudget`), and XLA:CPU's first-run set-up of each program falls on a request too."""
         copies = () if self.prefix_cache is None else self.prefix_cache.declared_calls(self.device.cache)
         declared = len(self._declared_calls()) + len(copies) + self._drafter_programs()

@@ -97,8 +97,8 @@ class ServerMetrics:
                                      "decode speed of the most recently finished request", registry=r)
         self.degenerate = Counter("gemmax:degenerate_responses", "choices whose output the degeneracy check "
                                   "flagged", registry=r)
-        self.uncompiled = Counter("gemmax:uncompiled_shape_requests", "requests that hit a shape outside the "
-                                  "warmed set", registry=r)
+        self.uncompiled = Counter("gemmax:uncompiled_shape_requests", "requests a step of which compiled or "
+                                  "loaded its program (a shape not warmed up)", registry=r)
         self.spec_accepted = Histogram("gemmax:spec_accepted_per_step", "proposals accepted per speculative "
                                        "verify step (each step also yields the target's own next token)",
                                        buckets=tuple(range(9)), registry=r)
