@@ -533,8 +533,8 @@ class BatchEngine:
         loaded, by the first call that needs it, in the engine's loop (every running request waits for
         it), and the requests of the step that compiled report `uncompiled_shape` (not those that wait
         beside another request's prefill, nor a draft model's or MTP assistant's own steps: plain
-        jitted functions). No memory-map budget is checked ahead
-        (`MapBudget`), and XLA:CPU's first-run set-up of each program falls on a request too."""
+        jitted functions). No memory-map budget is checked ahead (`MapBudget`), and XLA:CPU's
+        first-run set-up of each program falls on a request too."""
         copies = () if self.prefix_cache is None else self.prefix_cache.declared_calls(self.device.cache)
         declared = len(self._declared_calls()) + len(copies) + self._drafter_programs()
         executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
