@@ -518,7 +518,7 @@ class BatchEngine:
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
             self.prefix_cache.clear()
         shapes = declared + self._drafter_programs()
-        executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
+        executables = self._executables_summary()
         tracker.hits += executables["executables_loaded"]  # a loaded executable is a cache hit too
         self.warmup_report = {"warm_up": True, "compile_seconds": seconds, "shapes": shapes,
                               "ahead_of_time_seconds": round(compiled - started, 3), **tracker.summary(),
@@ -526,6 +526,10 @@ class BatchEngine:
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
         self._ready.set()
+
+    def _executables_summary(self) -> dict[str, int]:
+        """The executables of the engine's steps and of the prefix cache's copies (`CompiledSteps.summary`)."""
+        return self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
 
     def _skip_warm_up(self, tracker: compile_cache.Tracker, seconds: float) -> None:
         """Ready with no declared shape compiled (`warm_up=False`; `seconds`: allocating the state):
@@ -537,7 +541,7 @@ class BatchEngine:
         first-run set-up of each program falls on a request too."""
         copies = () if self.prefix_cache is None else self.prefix_cache.declared_calls(self.device.cache)
         declared = len(self._declared_calls()) + len(copies) + self._drafter_programs()
-        executables = self.steps.summary(*(() if self.prefix_cache is None else (self.prefix_cache.steps,)))
+        executables = self._executables_summary()
         self.warmup_report = {"warm_up": False, "compile_seconds": 0.0, "setup_seconds": round(seconds, 3), "shapes": 0,
                               "shapes_declared": declared, "ahead_of_time_seconds": 0.0, **tracker.summary(),
                               **executables, "executables_never_run": 0}
