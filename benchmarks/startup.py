@@ -13,11 +13,18 @@ compile-cache directory (GEMMAX_COMPILE_CACHE):
 
 After each start, requests of `--lengths` prompt tokens (16 forced output tokens each, greedy), each
 length `--repeats` times in a row: the first request of a length is the first to run its prefill
-shapes. The one-time conversion of the built-in model happens before any timing. Prints a table and
-ends with one JSON line.
+shapes. The one-time conversion of the built-in model happens before any timing (skipped when the
+serve arguments name a `--model`). Prints a table and ends with one JSON line; each start's result is
+also printed to stderr as one JSON line as soon as it is measured.
 
     python benchmarks/startup.py
     python benchmarks/startup.py --src before=/path/to/old/src --src after=src
+    python benchmarks/startup.py --uds /tmp/gemmax.sock --pause 5 -- --model /path/to/checkpoint
+
+`--uds PATH`: serve listens on that Unix socket (`gemmax serve --uds`) and the health poll and the
+requests go through it, for machines that refuse TCP sockets, loopback included (the TPU machine).
+`--pause S`: seconds between one server's exit and the next launch (an accelerator a process has just
+released can refuse the next one for a moment); not timed.
 """
 
 from __future__ import annotations
@@ -44,25 +51,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> dict:
+def client_for(url: str, uds: str | None, timeout: float) -> httpx.Client:
+    """A client of the server at `url`, or over the Unix socket `uds` (then the url's host is only the Host header)."""
+    transport = httpx.HTTPTransport(uds=uds) if uds else None
+    return httpx.Client(base_url=url, timeout=timeout, transport=transport)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float, uds: str | None = None) -> dict:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"gemmax serve exited with {process.returncode} before it was ready")
-        try:
-            response = httpx.get(f"{url}/health", timeout=5.0)
-            if response.status_code == 200:
-                return response.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    with client_for(url, uds, 5.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"gemmax serve exited with {process.returncode} before it was ready")
+            try:
+                response = client.get("/health")
+                if response.status_code == 200:
+                    return response.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
     raise TimeoutError(f"not ready after {timeout} s")
 
 
-def timed_requests(url: str, lengths: list[int], repeats: int) -> list[dict]:
+def timed_requests(url: str, lengths: list[int], repeats: int, uds: str | None = None) -> list[dict]:
     """Per length, `repeats` completions in a row of exactly that many prompt ids: (e2e s, server TTFT s)."""
     rows = []
-    with httpx.Client(base_url=url, timeout=600.0) as client:
+    with client_for(url, uds, 600.0) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         for length in lengths:
             times = []
@@ -81,25 +95,34 @@ def timed_requests(url: str, lengths: list[int], repeats: int) -> list[dict]:
 
 
 def one_start(name: str, src: str | None, cache: Path, args, label: str) -> dict:
-    port = free_port()
+    if args.uds:  # a socket file a server left behind would answer nothing: each start binds afresh
+        Path(args.uds).unlink(missing_ok=True)
+        listen, url = ["--uds", args.uds], "http://localhost"
+    else:
+        port = free_port()
+        listen, url = ["--port", str(port)], f"http://127.0.0.1:{port}"
     env = {**os.environ, "GEMMAX_COMPILE_CACHE": str(cache)}
     if src:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(src).resolve()), os.environ.get("PYTHONPATH")]))
     log = args.out_dir / f"startup-{name}-{label}.log"
     with open(log, "w") as out:
         t0 = time.perf_counter()
-        process = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--port", str(port), *args.serve_args],
+        process = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", *listen, *args.serve_args],
                                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            health = wait_ready(f"http://127.0.0.1:{port}", process, args.timeout)
+            health = wait_ready(url, process, args.timeout, args.uds)
             ready = time.perf_counter() - t0
-            requests = timed_requests(f"http://127.0.0.1:{port}", args.lengths, args.repeats)
+            requests = timed_requests(url, args.lengths, args.repeats, args.uds)
         finally:
             process.terminate()
             process.wait(60)
+    if args.pause:
+        time.sleep(args.pause)
     warmup = health.get("warmup", {})
     print(f"[{name}/{label}] ready in {ready:.1f} s; warm-up {warmup}", file=sys.stderr)
-    return {"variant": name, "start": label, "ready_s": round(ready, 2), "warmup": warmup, "requests": requests}
+    result = {"variant": name, "start": label, "ready_s": round(ready, 2), "warmup": warmup, "requests": requests}
+    print(json.dumps(result), file=sys.stderr, flush=True)  # what a run stopped later still leaves
+    return result
 
 
 def main() -> int:
@@ -109,14 +132,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--uds", help="serve on this Unix socket path, and talk to it there (no TCP)")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds after a server exits before the next launch")
     parser.add_argument("serve_args", nargs="*", help="more `gemmax serve` arguments (after --)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     variants = [tuple(item.split("=", 1)) for item in args.src] or [("installed", None)]
 
-    from gemmax.weights.builtin import default_model_path
+    if not any(a == "--model" or a.startswith("--model=") for a in args.serve_args):
+        from gemmax.weights.builtin import default_model_path
 
-    default_model_path()  # the one-time conversion, outside every timing
+        default_model_path()  # the one-time conversion, outside every timing
     results = []
     for name, src in variants:
         cache = Path(tempfile.mkdtemp(prefix=f"gemmax-startup-{name}-"))

@@ -457,6 +457,33 @@ def test_a_failing_batched_prefill_fails_its_group_alone(engine, loaded, monkeyp
     assert list(running.wait().token_ids) == _reference(loaded, (7, 3, 4), 30) and engine.ready
 
 
+def test_a_decode_step_that_consumed_the_state_and_failed_ends_the_running_requests_and_serving_goes_on(
+        engine, loaded, monkeypatch):
+    """A decode step that fails after its donated state is gone (XLA consumes it when a program fails):
+    the running request ends with the error, the engine builds a new state before it finishes the
+    request's slot (which writes to the state), and the next request is served as before."""
+    original = engine._forward
+
+    def consumed_then_failed(rows):
+        for leaf in jax.tree.leaves(engine.device):
+            leaf.delete()
+        raise RuntimeError("simulated fault after donation")
+
+    running = engine.submit(GenerationRequest((7, 3, 4), 30, ignore_eos=True))
+    next(iter(running))
+    monkeypatch.setattr(engine, "_forward", consumed_then_failed)
+    ended = []
+    waiting = threading.Thread(target=lambda: ended.append(running.wait()), daemon=True)
+    waiting.start()
+    waiting.join(120)
+    assert ended, f"the running request never ended (engine loop error: {engine.error!r})"
+    failed = ended[0]
+    assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
+    monkeypatch.setattr(engine, "_forward", original)
+    ok = engine.submit(GenerationRequest((7, 3, 4), 5, ignore_eos=True)).wait()
+    assert list(ok.token_ids) == _reference(loaded, (7, 3, 4), 5) and engine.ready and engine.error is None
+
+
 def test_shutdown_ends_every_queued_and_running_request(loaded):
     # the shapes of the degeneracy test's engine (same config): nothing new compiles
     eng = BatchEngine(loaded, max_model_len=64, max_batch=1, buckets=(8,)).start()

@@ -7,6 +7,7 @@ throughout."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from gemmax.engine.generate import generate
 from gemmax.engine.loading import load_model
 from gemmax.engine.sampling import SamplingParams
 
+PREFIX_CACHE_BYTES = 1 << 20  # the prefix cache on: its copy programs are stored and loaded too
 PROMPTS = [tuple(int(t) for t in np.random.default_rng(n).integers(3, 96, n)) for n in (5, 40)]  # 40: two chunks
 
 
@@ -28,9 +30,10 @@ def loaded(hf_checkpoints):
     return load_model(str(hf_checkpoints["g4_shared"][0]), "float32")  # KV sharing and a sliding ring
 
 
-def _start(loaded, cache) -> BatchEngine:
+def _start(loaded, cache, **options) -> BatchEngine:
+    options = {"prefix_cache_bytes": 0, **options}
     return BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(8, 32), compile_cache_dir=str(cache),
-                       prefix_cache_bytes=0).start(background=False)
+                       **options).start(background=False)
 
 
 def _serve(engine: BatchEngine) -> list[tuple[list[int], bool]]:
@@ -108,16 +111,31 @@ def test_warm_up_runs_every_program_but_prefill_chunks_over_the_run_once_limit(l
         engine.shutdown(1)
 
 
-def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entry(loaded, tmp_path):
+def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entry(loaded, tmp_path, monkeypatch):
     """After a code change that leaves the programs as they were, the store misses and JAX's own cache
     hits. XLA:CPU serialises such a read-back executable without all its kernels ("Function ... not
     found" when it runs), so the store keeps the bytes JAX's cache entry held: the next start loads
-    every program from the store, and runs them. Every start serves the solo path's tokens."""
+    every program from the store, and runs them. Every start serves the solo path's tokens.
+
+    Then the store is given those incomplete serialisations (entries that load but fail when they
+    run): warm-up compiles each failing program anew, also those its throwaway requests run first
+    (the prefix cache's copies, on here), and is ready with the same tokens; without warm-up each
+    fails the request running when it first runs, and the engine keeps serving."""
+    from jax.experimental import serialize_executable
+
+    incomplete = {}  # store key -> the read-back program serialised again, as the store once wrote it
+    save = ExecutableStore.save
+
+    def save_and_keep_incomplete(store, key, compiled, executable=None, devices=None):
+        save(store, key, compiled, executable, devices)
+        if executable is not None:
+            incomplete[key] = pickle.dumps(serialize_executable.serialize(compiled))
+
     ck = loaded.checkpoint
     solo = [generate(ck.params, ck.config, list(p), 12, SamplingParams(), loaded.policy.precision(), stop_ids=())
             for p in PROMPTS]
     jax.clear_caches()  # compiled for real (earlier tests' programs are in memory), so JAX's cache is written
-    cold = _start(loaded, tmp_path)
+    cold = _start(loaded, tmp_path, prefix_cache_bytes=PREFIX_CACHE_BYTES)
     shapes = cold.warmup_report["shapes"]
     assert cold.warmup_report["executables_from_jax_cache_stored"] == 0
     assert _serve(cold) == [(tokens, False) for tokens in solo]
@@ -125,7 +143,9 @@ def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entr
         entry.unlink()
 
     jax.clear_caches()  # as a new process: compiling reads JAX's persistent cache, not its memory
-    after_change = _start(loaded, tmp_path)
+    monkeypatch.setattr(ExecutableStore, "save", save_and_keep_incomplete)
+    after_change = _start(loaded, tmp_path, prefix_cache_bytes=PREFIX_CACHE_BYTES)
+    monkeypatch.undo()
     report = after_change.warmup_report
     assert report["cache_hits"] >= shapes and report["executables_loaded"] == 0
     assert report["executables_from_jax_cache_stored"] == shapes and report["executables_from_jax_cache_unstored"] == 0
@@ -133,11 +153,44 @@ def test_a_program_read_back_from_jax_cache_is_stored_with_the_bytes_of_its_entr
     assert _serve(after_change) == [(tokens, False) for tokens in solo]
 
     jax.clear_caches()
-    next_start = _start(loaded, tmp_path)  # the store's copies: nothing traced, lowered or compiled
+    # the store's copies: nothing traced, lowered or compiled
+    next_start = _start(loaded, tmp_path, prefix_cache_bytes=PREFIX_CACHE_BYTES)
     report = next_start.warmup_report
     assert report["executables_loaded"] == shapes and report["executables_compiled"] == 0
     assert report["executables_never_run"] == 0  # every loaded copy ran at warm-up, and served below
+    assert report["executables_discarded"] == 0
     assert _serve(next_start) == [(tokens, False) for tokens in solo]
+
+    def store_incomplete_copies():
+        assert len(incomplete) == shapes
+        for key, blob in incomplete.items():
+            (tmp_path / STORE_DIR / f"{key}.exe").write_bytes(blob)
+
+    store_incomplete_copies()
+    jax.clear_caches()
+    healed = _start(loaded, tmp_path, prefix_cache_bytes=PREFIX_CACHE_BYTES)
+    report = healed.warmup_report
+    failing = report["executables_discarded"]
+    assert failing >= 1 and report["executables_loaded"] == shapes  # loaded, then failed their first run
+    assert report["executables_compiled"] == failing and report["executables"] == shapes
+    assert report["executables_never_run"] == 0
+    assert healed.prefix_cache.steps.summary()["executables_compiled"] >= 1  # a copy, first run by a throwaway request
+    assert _serve(healed) == [(tokens, False) for tokens in solo]
+
+    store_incomplete_copies()
+    jax.clear_caches()
+    lazy = BatchEngine(loaded, max_model_len=64, max_batch=2, buckets=(8, 32), compile_cache_dir=str(tmp_path),
+                       prefix_cache_bytes=PREFIX_CACHE_BYTES, warm_up=False).start(background=False)
+    try:
+        results = [lazy.submit(GenerationRequest(PROMPTS[1], max_tokens=12, ignore_eos=True)).wait()
+                   for _ in range(failing + 2)]
+        failed = [r for r in results if r.finish_reason == "error"]  # a cache hit's copy fails after a success
+        assert len(failed) == lazy.info["executables_now"]["executables_discarded"] >= 1  # /health's, live
+        assert all("LoadedProgramFailed" in r.error and "failed its first run" in r.error for r in failed)
+        assert [list(r.token_ids) for r in results if r.finish_reason != "error"] == [solo[1]] * (len(results) - len(failed))
+        assert results[-1].finish_reason == "length"
+    finally:
+        lazy.shutdown(1)
 
 
 def test_only_a_program_read_back_from_jax_cache_reports_its_entry_bytes(tmp_path):

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -222,16 +223,36 @@ def test_gemmax_serve_health_and_sigterm(checkpoint):
         assert _chat(url).usage.model_extra["uncompiled_shape"] is False  # warmed up
 
 
+def _unboxed(output: str) -> str:
+    """A CLI error's text without the panel rich draws around it, its lines joined (rich wraps them
+    at the terminal's width)."""
+    return " ".join(re.sub(r"[\u2500-\u257f]", " ", output).split())
+
+
+def test_one_process_options_are_refused_with_several_before_anything_loads(checkpoint):
+    """--draft-model and --no-warm-up run in one process: refused whichever way several are asked for
+    (the flags, or JAX_COORDINATOR_ADDRESS as a launcher sets it), before the model loads."""
+    asks = [(["--num-processes", "2"], {}), (["--coordinator", "127.0.0.1:1"], {}),
+            ([], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"})]
+    for flags, env in asks:
+        draft = CliRunner().invoke(cli, ["serve", "--model", str(checkpoint), "--speculative", "draft", "--draft-model",
+                                         str(checkpoint), *flags], env=env)
+        assert draft.exit_code == 2 and "--draft-model runs on one device and one process" in _unboxed(draft.output)
+        lazy = CliRunner().invoke(cli, ["serve", "--model", str(checkpoint), "--no-warm-up", *flags], env=env)
+        assert lazy.exit_code == 2 and "--no-warm-up runs in one process" in _unboxed(lazy.output)
+
+
 def test_gemmax_serve_without_warm_up_compiles_on_first_use(checkpoint):
     """`--no-warm-up`: ready with no declared shape compiled; the first request compiles what it needs
-    and says so, the same request again does not. Refused with several processes, before any load."""
-    refused = CliRunner().invoke(cli, ["serve", "--no-warm-up", "--num-processes", "2", "--mesh", "dp=2"])
-    assert refused.exit_code == 2 and "--no-warm-up runs in one process" in " ".join(refused.output.split())
+    and says so, the same request again does not."""
     with _serving(checkpoint, "--no-warm-up") as (url, _):
         warmup = httpx.get(f"{url}/health").json()["warmup"]
         assert warmup["warm_up"] is False and warmup["executables"] == 0 and warmup["shapes_declared"] > 0
         assert _chat(url).usage.model_extra["uncompiled_shape"] is True
         assert _chat(url).usage.model_extra["uncompiled_shape"] is False
+        health = httpx.get(f"{url}/health").json()
+        assert health["warmup"]["executables"] == 0  # the report at ready
+        assert health["executables_now"]["executables"] > 0  # what the requests compiled
 
 
 async def test_a_request_the_engine_cannot_represent_hurts_no_other(server, loaded):

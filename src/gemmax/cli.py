@@ -356,8 +356,9 @@ def serve(
     if batch_invariant and spec is not None:  # refused before anything loads
         raise typer.BadParameter("--batch-invariant decodes row by row on one device: it cannot be combined with --mesh")
     speculation = _speculation(speculative, spec_k, draft_model)
-    if draft_model is not None and (spec is not None or coordinator is not None):
-        raise typer.BadParameter("--draft-model runs on one device and one process: not with --mesh or --coordinator")
+    if draft_model is not None and (spec is not None or _several_processes(coordinator, num_processes)):
+        raise typer.BadParameter("--draft-model runs on one device and one process: not with --mesh, --coordinator, "
+                                 "--num-processes or JAX_COORDINATOR_ADDRESS")
     if not warm_up and _several_processes(coordinator, num_processes):  # every process refuses, before it loads
         raise typer.BadParameter("--no-warm-up runs in one process: not with --coordinator, --num-processes or "
                                  "JAX_COORDINATOR_ADDRESS")

@@ -105,7 +105,13 @@ from gemmax.engine.api import (
 )
 from gemmax.engine.degeneracy import check_degeneracy
 from gemmax.engine.draft import Drafter, check_draft
-from gemmax.engine.executables import STORE_DIR, CompiledSteps, ExecutableStore, compile_threads
+from gemmax.engine.executables import (
+    STORE_DIR,
+    CompiledSteps,
+    ExecutableStore,
+    LoadedProgramFailed,
+    compile_threads,
+)
 from gemmax.engine.memory import MapBudget, check_fit, plan_memory
 from gemmax.engine.mesh import check_mesh, make_mesh, mesh_steps, mesh_summary, shard_params
 from gemmax.engine.mtp import MtpProposer, check_mtp
@@ -331,15 +337,16 @@ class BatchEngine:
 
     @property
     def info(self) -> dict[str, Any]:
-        """Static facts (computed once warm-up is done; before that, from what is loaded so far),
-        and which constrained-decoding shapes have compiled so far."""
+        """Static facts (computed once warm-up is done; before that, from what is loaded so far; its
+        `warmup` is the report at ready), which constrained-decoding shapes have compiled so far,
+        and the compiled programs' counts now (`executables_now`: `CompiledSteps.summary`)."""
         if self._info is None:
             info = self._describe()
             if self._ready.is_set():
                 self._info = info
         else:
             info = self._info
-        return {**info, "constrained_decode": self._constrained_report()}
+        return {**info, "constrained_decode": self._constrained_report(), "executables_now": self._executables_summary()}
 
     def _constrained_report(self) -> dict[str, Any]:
         """Constrained decoding's own shapes (`draw` with a mask, per group) are not warmed
@@ -505,14 +512,12 @@ class BatchEngine:
             declared, maps = self._compile_declared()
             jax.block_until_ready(self.device)
             compiled = time.perf_counter()
-            # Then the request path's small helper kernels (slot updates, sampling rows), compiled on
-            # their first call.
-            self._throwaway_requests(self.shapes.buckets[:1])
-            self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
-            self._throwaway_group()
-            if self.drafter is not None or self.mtp is not None:
-                self._warm_up_drafter(maps)
-            jax.block_until_ready(self.device)
+            while True:  # each failure takes one program out of the store: the retries are bounded
+                try:
+                    self._warm_up_requests(maps)
+                    break
+                except LoadedProgramFailed as exc:  # logged by the step, which compiles it anew next time
+                    self._fail_all(exc)  # the throwaway requests end, on a new state
             seconds = time.perf_counter() - started
         self._init_device_state()
         if self.prefix_cache is not None:  # the throwaway requests' blocks are not a real prompt's
@@ -526,6 +531,18 @@ class BatchEngine:
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
         self._ready.set()
+
+    def _warm_up_requests(self, maps: MapBudget) -> None:
+        """After the declared programs' first runs: throwaway requests through the real admission and
+        decode path, compiling the request path's small helper kernels (slot updates, sampling rows)
+        on their first call and running the programs `_first_runs` leaves to them (the prefix cache's
+        copies, a first batched group over RUN_ONCE_TOKENS), then the drafter's shapes."""
+        self._throwaway_requests(self.shapes.buckets[:1])
+        self._throwaway_requests(self.shapes.buckets[:1], max_tokens=1)
+        self._throwaway_group()
+        if self.drafter is not None or self.mtp is not None:
+            self._warm_up_drafter(maps)
+        jax.block_until_ready(self.device)
 
     def _executables_summary(self) -> dict[str, int]:
         """The executables of the engine's steps and of the prefix cache's copies (`CompiledSteps.summary`)."""
@@ -646,7 +663,8 @@ class BatchEngine:
         one per past its chunks can read (with start 0 only, the first 41-token request took 169 ms
         against 93 for the next: its second chunk was the first run of the 256-bound branch). A
         prefill chunk of more than RUN_ONCE_TOKENS tokens is not run: its compute would cost every
-        start more than the set-up it saves the first such prompt."""
+        start more than the set-up it saves the first such prompt. A program loaded from the store
+        that fails its first run (`LoadedProgramFailed`) is compiled anew and run on a fresh state."""
         if name in ("prefill_step", "prefill_rows") and args[2].size > RUN_ONCE_TOKENS:  # tokens [rows, bucket]
             return
         runs = [args]
@@ -654,8 +672,18 @@ class BatchEngine:
             tokens = np.zeros(args[2].shape, np.int32)
             runs = [self._prefill_args(tokens, 0, start, 1, True)[0]
                     for start in self.shapes.warm_starts(tokens.shape[1])]
+        step = getattr(self.steps, name)
         for run in runs:
-            self.device = getattr(self.steps, name)(*_with_state(run, self.device), **statics)[0]
+            try:
+                self.device = step(*_with_state(run, self.device), **statics)[0]
+                continue
+            except LoadedProgramFailed:  # logged by the step
+                pass
+            # the failed run may have consumed the state: a new one (allocated outside the handler,
+            # whose traceback holds the old), and the program compiled anew
+            self.device = None
+            self._init_device_state()
+            self.device = step(*_with_state(run, self.device), **statics)[0]
 
     def _throwaway_requests(self, buckets: tuple[int, ...], max_tokens: int | None = None) -> None:
         """One request per bucket of `buckets`, prefilled into slot 0 and decoded to its end (by default
@@ -979,11 +1007,11 @@ class BatchEngine:
                     self._prefill_into(*entries[0])
                 else:
                     self._prefill_group(entries, buckets)
-            except Exception as exc:  # these requests end with the error, and only these
+            except Exception as exc:  # these requests end with the error, and only these (unless the state went)
                 log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
+                self._recover_device_state(exc)
                 for slot, handle, submitted, *_ in entries:
                     self._fail_admission(slot, handle, submitted, exc)
-                self._recover_device_state(exc)
 
     def _fail_admission(self, slot_index: int, handle: RequestHandle, submitted: float, exc: Exception) -> None:
         """End the request `handle`, whose prefill into `slot_index` failed, with the error."""
@@ -1119,13 +1147,15 @@ class BatchEngine:
         request alone."""
         self._budget_left = self.prefill_token_budget
         for slot_index in list(self._prefilling):
-            entry = self._prefilling[slot_index]
+            entry = self._prefilling.get(slot_index)
+            if entry is None:  # ended by an earlier prompt's failure that took the state (`_fail_all`)
+                continue
             try:
                 self._prefill_chunks(slot_index)
             except Exception as exc:
                 log.exception("prefill of %s failed", entry.slot.handle.request_id)
-                self._fail_admission(slot_index, entry.slot.handle, entry.slot.submitted, exc)
                 self._recover_device_state(exc)
+                self._fail_admission(slot_index, entry.slot.handle, entry.slot.submitted, exc)
 
     def _prefill_chunks(self, slot_index: int) -> None:
         """Run the next chunks of the prompt prefilling into `slot_index`: all of them when nothing
@@ -1408,15 +1438,19 @@ class BatchEngine:
             self._fail_all(exc)
 
     def _fail_all(self, exc: Exception) -> None:
+        """End every running and prefilling request with `exc`, on a new state (the failed call may
+        have consumed the old one, which finishing a slot would write to)."""
         error = f"{type(exc).__name__}: {exc}"
+        self.device = None  # not held while the new one is allocated
+        self._init_device_state()
+        if self.prefix_cache is not None:  # its pool may have gone with a failed copy
+            self.prefix_cache.reset()
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 self._finish(i, "error", error=error)
         for entry in self._prefilling.values():  # their cache rows go with the state
             self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
         self._prefilling.clear()
-        self._init_device_state()
-        self._init_prefix_cache()  # its pool may have gone with a failed copy
 
 
 def _with_state(args: tuple, state) -> tuple:

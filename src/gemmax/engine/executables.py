@@ -17,8 +17,9 @@ dtype and sharding, jax / jaxlib versions, the backend and its devices, XLA_FLAG
 gemmax's numeric code. A later start loads it back without tracing, lowering or compiling; JAX's own
 persistent cache would still trace and lower every shape to find its key (and misses when the
 directory moves, since its key names the directory). An entry that does not load is removed and
-compiled anew. The store lives inside the compile-cache directory, so `gemmax cache export / import`
-moves it with JAX's entries.
+compiled anew; so is one that loads but fails its first run (`LoadedProgramFailed`: that run's
+donated arguments may be gone, so the caller rebuilds them). The store lives inside the
+compile-cache directory, so `gemmax cache export / import` moves it with JAX's entries.
 
 A program that JAX read back from its own persistent cache (a start after a code change that left its
 HLO as it was: the store misses, JAX's cache hits) is stored with the executable bytes JAX's cache
@@ -188,6 +189,13 @@ def code_hash() -> str:
     return _code_hash
 
 
+class LoadedProgramFailed(RuntimeError):
+    """A program loaded from the executable store failed its first run (a damaged entry that still
+    loads: on XLA:CPU an incomplete serialisation raises "NOT_FOUND: Function ... not found"). It has
+    left the step's table and the store, so the next call of its shape compiles it anew; the failed
+    call's donated arguments may have been consumed (the caller rebuilds them)."""
+
+
 class ExecutableStore:
     """Serialised compiled steps in one directory, one file per key (written atomically)."""
 
@@ -197,6 +205,7 @@ class ExecutableStore:
         self.loaded = 0
         self.saved = 0
         self.rejected = 0
+        self.discarded = 0  # loaded, then failed their first run (`LoadedProgramFailed`)
         self.unstored = 0  # read back from JAX's cache without its bytes, so not stored (module docstring)
         self.from_jax_cache = 0  # stored with the bytes of JAX's cache entry (module docstring)
 
@@ -221,6 +230,11 @@ class ExecutableStore:
             return None
         self.loaded += 1
         return compiled
+
+    def discard(self, key: str) -> None:
+        """Remove an entry that loaded but failed its first run (the next call compiles it anew)."""
+        (self.directory / f"{key}.exe").unlink(missing_ok=True)
+        self.discarded += 1
 
     def save(self, key: str, compiled: jax.stages.Compiled, executable: bytes | None = None,
              devices: list | None = None) -> None:
@@ -250,6 +264,7 @@ class CompiledStep:
         self.name, self.jitted, self.owner, self._lock = name, jitted, owner, lock
         self._table: dict[tuple, tuple[jax.stages.Compiled, dict[str, Any]]] = {}
         self._ran: set[tuple] = set()  # keys of the programs that have run at least once
+        self._loaded_unrun: dict[tuple, str] = {}  # call key -> store key of a program loaded, not yet run
         self.compiled = 0  # programs compiled here (the rest of the table was loaded from the store)
 
     def size(self) -> int:
@@ -272,6 +287,7 @@ class CompiledStep:
         devices = _devices_of(args)
         stored = None if store is None else store.key(self.name, sig, devices)
         compiled = None if stored is None else store.load(stored, devices)
+        loaded = compiled is not None
         if compiled is None:
             compiled, from_jax_cache, executable = _compile(self.jitted, args, statics)
             self.compiled += 1
@@ -280,7 +296,10 @@ class CompiledStep:
             elif stored is not None:
                 store.save(stored, compiled, executable, devices)
         with self._lock:  # the statics are kept with it: their ids in the key stay theirs
-            self._table.setdefault(key, (compiled, dict(statics)))
+            if key not in self._table:
+                self._table[key] = (compiled, dict(statics))
+                if loaded:
+                    self._loaded_unrun[key] = stored
         return self._table[key][0], True
 
     def run(self, *args, **statics) -> tuple[Any, bool]:
@@ -288,9 +307,32 @@ class CompiledStep:
         timings report as `uncompiled_shape`."""
         key = call_key(args, statics)
         program, new = self._get(key, args, statics)
-        out = program(*args)
+        first_of_loaded = self._loaded_unrun and key in self._loaded_unrun
+        out = self._first_run_of_loaded(key, program, args) if first_of_loaded else program(*args)
         self._ran.add(key)
         return out, new
+
+    def _first_run_of_loaded(self, key: tuple, program: jax.stages.Compiled, args: tuple) -> Any:
+        """Run a program loaded from the store for the first time, to its end (a failure can surface
+        only when its outputs are waited for), after its inputs are ready (an earlier call's failure
+        surfaces as that call's, here). One whose run fails in the runtime, other than for want of
+        memory, leaves the table and the store: `LoadedProgramFailed`."""
+        jax.block_until_ready(args)
+        try:
+            return jax.block_until_ready(program(*args))
+        except jax.errors.JaxRuntimeError as exc:
+            if "RESOURCE_EXHAUSTED" in str(exc):  # the program is not at fault: nothing to compile anew
+                raise
+            with self._lock:
+                del self._table[key]
+            self.owner.store.discard(self._loaded_unrun[key])
+            log.warning("%s: a program loaded from the executable store failed its first run (%s: %s); removed from "
+                        "the store, compiled anew by the next call", self.name, type(exc).__name__, exc)
+            raise LoadedProgramFailed(f"{self.name}: the program loaded from the executable store failed its first "
+                                      f"run ({type(exc).__name__}: {exc})") from exc
+        finally:
+            with self._lock:
+                self._loaded_unrun.pop(key, None)
 
     def __call__(self, *args, **statics):
         return self.run(*args, **statics)[0]
@@ -350,5 +392,6 @@ class CompiledSteps:
                 "executables_compiled": sum(step.compiled for step in steps),
                 "executables_loaded": 0 if store is None else store.loaded,
                 "executables_rejected": 0 if store is None else store.rejected,
+                "executables_discarded": 0 if store is None else store.discarded,
                 "executables_from_jax_cache_stored": 0 if store is None else store.from_jax_cache,
                 "executables_from_jax_cache_unstored": 0 if store is None else store.unstored}

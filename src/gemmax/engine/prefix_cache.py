@@ -186,7 +186,15 @@ class PrefixCache:
         self.capacity = budget_bytes // self.block_bytes if self.block_bytes else 0
         # Sliding rings, slots per row (a window at least max_len long never wraps; it is a ring all the same).
         self.rings = tuple(cache_slots(spec, max_len) for spec in config.layers if spec.owns_kv and spec.sliding_window)
+        self.kv_dtype = kv_dtype
         self.pool = init_cache(config, self.capacity, block, kv_dtype)
+        self.clear()
+
+    def reset(self) -> None:
+        """A new pool, every block forgotten (after a failed device call that may have consumed the
+        pool); the compiled copy steps stay."""
+        self.pool = None
+        self.pool = init_cache(self.config, self.capacity, self.block, self.kv_dtype)
         self.clear()
 
     def clear(self) -> None:
