@@ -361,7 +361,8 @@ class BatchEngine:
         return {"warmed_up": False, "shapes_declared": declared, "shapes_compiled": len(self._constrained_sizes)}
 
     def _describe(self) -> dict[str, Any]:
-        policy = self.loaded.policy.observed(self.params, None if self.device is None else self.device.cache)
+        device = self.device  # read once: warm-up and `_fail_all` replace it while /health asks
+        policy = self.loaded.policy.observed(self.params, None if device is None else device.cache)
         return {
             "model": self.loaded.name,
             "family": self.config.family,
@@ -497,8 +498,10 @@ class BatchEngine:
         the next compiles); on one device each compiled step is kept in the compile cache's
         executable store, so the next start loads it instead. Then one throwaway request of the
         smallest bucket, twice, runs through the real admission and decode path, compiling the small
-        helper kernels a request uses (slot updates, sampling rows). Without `warm_up` only the state
-        (and the prefix cache) is allocated: `_skip_warm_up`."""
+        helper kernels a request uses (slot updates, sampling rows). A program loaded from the store
+        that fails its first run is compiled anew (`_first_runs`; the throwaway requests start over
+        after `_fail_all`: each failure takes one program out of the store). Without `warm_up` only
+        the state (and the prefix cache) is allocated: `_skip_warm_up`."""
         with compile_cache.track(self.compile_cache_dir) as tracker:
             started = time.perf_counter()
             if self.mesh is None and jax.process_count() == 1:
@@ -942,6 +945,8 @@ class BatchEngine:
             log.exception("engine loop died")
             raise
         finally:  # every request ends with a result, also at shutdown
+            if self.error is not None:  # the loop died: nothing writes to its state again (`_finish`)
+                self.device = None
             with self._lock:
                 queued = list(self._queue)
                 self._queue.clear()
@@ -1388,7 +1393,8 @@ class BatchEngine:
 
     def _finish(self, i: int, reason: str, stop_token: int | None = None, error: str | None = None) -> None:
         slot = self._slots[i]
-        self._set_slot(i, remaining=0)
+        if self.device is not None:  # None: a rebuild failed, or the loop died (nothing decodes again)
+            self._set_slot(i, remaining=0)
         self.want_logprobs[i] = False
         with self._lock:
             self._slots[i] = None
@@ -1441,7 +1447,7 @@ class BatchEngine:
         """End every running and prefilling request with `exc`, on a new state (the failed call may
         have consumed the old one, which finishing a slot would write to)."""
         error = f"{type(exc).__name__}: {exc}"
-        self.device = None  # not held while the new one is allocated
+        self.device = None  # if the rebuild fails, finishing the requests writes to no state (`_finish`)
         self._init_device_state()
         if self.prefix_cache is not None:  # its pool may have gone with a failed copy
             self.prefix_cache.reset()

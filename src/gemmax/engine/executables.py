@@ -316,23 +316,25 @@ class CompiledStep:
         """Run a program loaded from the store for the first time, to its end (a failure can surface
         only when its outputs are waited for), after its inputs are ready (an earlier call's failure
         surfaces as that call's, here). One whose run fails in the runtime, other than for want of
-        memory, leaves the table and the store: `LoadedProgramFailed`."""
+        memory, leaves the table and the store: `LoadedProgramFailed`. Only the branches of its
+        conditionals that this run takes are checked: XLA:CPU looks a kernel up when it first runs."""
         jax.block_until_ready(args)
         try:
-            return jax.block_until_ready(program(*args))
+            out = jax.block_until_ready(program(*args))
         except jax.errors.JaxRuntimeError as exc:
-            if "RESOURCE_EXHAUSTED" in str(exc):  # the program is not at fault: nothing to compile anew
+            if "RESOURCE_EXHAUSTED" in str(exc):  # the program is not at fault: checked again next time
                 raise
             with self._lock:
                 del self._table[key]
-            self.owner.store.discard(self._loaded_unrun[key])
+                stored = self._loaded_unrun.pop(key)
+            self.owner.store.discard(stored)
             log.warning("%s: a program loaded from the executable store failed its first run (%s: %s); removed from "
                         "the store, compiled anew by the next call", self.name, type(exc).__name__, exc)
             raise LoadedProgramFailed(f"{self.name}: the program loaded from the executable store failed its first "
                                       f"run ({type(exc).__name__}: {exc})") from exc
-        finally:
-            with self._lock:
-                self._loaded_unrun.pop(key, None)
+        with self._lock:
+            self._loaded_unrun.pop(key, None)
+        return out
 
     def __call__(self, *args, **statics):
         return self.run(*args, **statics)[0]
