@@ -187,12 +187,11 @@ class PrefixCache:
         # Sliding rings, slots per row (a window at least max_len long never wraps; it is a ring all the same).
         self.rings = tuple(cache_slots(spec, max_len) for spec in config.layers if spec.owns_kv and spec.sliding_window)
         self.kv_dtype = kv_dtype
-        self.pool = init_cache(config, self.capacity, block, kv_dtype)
-        self.clear()
+        self.reset()
 
     def reset(self) -> None:
-        """A new pool, every block forgotten (after a failed device call that may have consumed the
-        pool); the compiled copy steps stay."""
+        """A new pool, every block forgotten (at start, and after a failed device call that may have
+        consumed the pool); the compiled copy steps stay."""
         self.pool = None
         self.pool = init_cache(self.config, self.capacity, self.block, self.kv_dtype)
         self.clear()
