@@ -95,6 +95,9 @@ def timed_requests(url: str, lengths: list[int], repeats: int, uds: str | None =
 
 
 def one_start(name: str, src: str | None, cache: Path, args, label: str) -> dict:
+    if args.pause and args.launched:  # after a server's exit, before the next launch
+        time.sleep(args.pause)
+    args.launched = True
     if args.uds:  # a socket file a server left behind would answer nothing: each start binds afresh
         Path(args.uds).unlink(missing_ok=True)
         listen, url = ["--uds", args.uds], "http://localhost"
@@ -116,8 +119,6 @@ def one_start(name: str, src: str | None, cache: Path, args, label: str) -> dict
         finally:
             process.terminate()
             process.wait(60)
-    if args.pause:
-        time.sleep(args.pause)
     warmup = health.get("warmup", {})
     print(f"[{name}/{label}] ready in {ready:.1f} s; warm-up {warmup}", file=sys.stderr)
     result = {"variant": name, "start": label, "ready_s": round(ready, 2), "warmup": warmup, "requests": requests}
@@ -136,6 +137,7 @@ def main() -> int:
     parser.add_argument("--pause", type=float, default=0.0, help="seconds after a server exits before the next launch")
     parser.add_argument("serve_args", nargs="*", help="more `gemmax serve` arguments (after --)")
     args = parser.parse_args()
+    args.launched = False  # whether a server has run yet (`--pause` comes between launches)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     variants = [tuple(item.split("=", 1)) for item in args.src] or [("installed", None)]
 
