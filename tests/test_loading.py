@@ -94,7 +94,7 @@ def test_the_weights_load_with_the_compile_cache_on_and_the_next_start_reads_it(
 
     first = start()
     written = sorted(path.name for path in directory.glob(f"*{compile_cache.ENTRY_SUFFIX}"))
-    assert events == ["warm-up started", "tokenizer read"]  # the warm-up did not run: every entry is the load's
+    assert events == ["warm-up started", "tokenizer read"]  # the warm-up did not run (`events`)
     assert any(name.startswith("jit_int8_rows") for name in written), written  # the quantiser's
     assert first.misses == len(written) and first.hits == 0
     again = start()

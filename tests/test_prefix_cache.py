@@ -204,6 +204,26 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_exact(engine):
     assert tiny.stats()["evicted_bytes"] > 0 and tiny.used_bytes <= tiny.budget_bytes
 
 
+def test_a_reset_forgets_every_block_and_no_counter_goes_down(engine):
+    """After a failed device call the engine gives the prefix cache a new pool (`PrefixCache.reset`,
+    from `_fail_all`): every block is forgotten, and the counters, which /metrics exports as
+    Prometheus counters, keep their values."""
+    rng = np.random.default_rng(11)
+    prompt = _tokens(rng, 3 * BLOCK + 2)
+    first = _results(engine, [_request(prompt, 3, salt="reset")])[0]
+    assert _results(engine, [_request(prompt, 3, salt="reset")])[0][0].cached_tokens > 0
+    cache = engine.prefix_cache
+    counters = ("hits", "misses", "cached_tokens", "queried_tokens", "evicted_bytes")
+    before = cache.stats()
+    cache.reset()  # the engine is idle between requests
+    after = cache.stats()
+    assert after["blocks"] == 0 and after["used_bytes"] == 0
+    assert {key: after[key] for key in counters} == {key: before[key] for key in counters}
+    again = _results(engine, [_request(prompt, 3, salt="reset")])[0]
+    assert again[0].cached_tokens == 0 and cache.stats()["misses"] == before["misses"] + 1  # forgotten
+    _same(again, first)
+
+
 def test_blocks_of_prompts_prefilled_together_are_cached(engine):
     """Two whole 8-token prompts queued together prefill in one forward (a batched shape) and store
     their block; a longer prompt starting with one of them copies that block and decodes exactly as

@@ -123,10 +123,11 @@ def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | Non
 
 
 def _compile_cache_on(engine_options: dict) -> None:
-    """JAX's persistent compilation cache on before the weights load (the directory the engine's
-    warm-up uses, which turns it on too): loading compiles small programs of its own (dtype
-    conversions, int8 quantisation: 31 for the built-in model, 1.3 s of XLA), which a warm start
-    then reads back instead (README, "Start-up"). The warm-up's `compile_cache.track` scrubs corrupted
+    """`start_engine`: JAX's persistent compilation cache on before the weights load (the directory
+    the engine's warm-up uses, which turns it on too): loading compiles small programs of its own
+    (dtype conversions, int8 quantisation: 31 for the built-in model, 1.3 s of XLA), which a warm
+    start then reads back instead (README, "Start-up"). Not in `follow_engine`: a follower never runs
+    the warm-up, and JAX writes cache entries from process 0 only. The warm-up's `compile_cache.track` scrubs corrupted
     entries afterwards: a corrupted entry of such a program costs the start that finds it one
     compile (JAX warns and compiles), and is written anew by the next."""
     compile_cache.enable(engine_options.get("compile_cache_dir"))
@@ -137,6 +138,5 @@ def follow_engine(model: str | None, dtype: str | None, quant: QuantOptions | No
     """What `gemmax serve` runs on every process but 0 (`jax.distributed`): load the same model,
     build the same engine, and replay process 0's device calls (gemmax.engine.schedule) until it
     stops. Returns the number of calls replayed."""
-    _compile_cache_on(engine_options)
     loaded = load_model(model, dtype, quant, mesh=mesh)
     return follow(BatchEngine(loaded, mesh=mesh, **engine_options))

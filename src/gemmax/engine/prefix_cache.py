@@ -188,19 +188,25 @@ class PrefixCache:
         self.rings = tuple(cache_slots(spec, max_len) for spec in config.layers if spec.owns_kv and spec.sliding_window)
         self.kv_dtype = kv_dtype
         self.reset()
+        self.clear()
 
     def reset(self) -> None:
         """A new pool, every block forgotten (at start, and after a failed device call that may have
-        consumed the pool); the compiled copy steps stay."""
+        consumed the pool); the compiled copy steps stay, and so do the counters, which /metrics
+        exports as Prometheus counters (they never go down while the server runs)."""
         self.pool = None
         self.pool = init_cache(self.config, self.capacity, self.block, self.kv_dtype)
-        self.clear()
+        self._forget()
 
     def clear(self) -> None:
-        """Forget every block and zero the counters (the pool's stale values are never read)."""
+        """Forget every block and zero the counters (the pool's stale values are never read): at
+        start, and after warm-up, whose throwaway requests are not a real prompt's."""
+        self._forget()
+        self.hits = self.misses = self.cached_tokens = self.queried_tokens = self.evicted_bytes = 0
+
+    def _forget(self) -> None:
         self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
         self._free = list(range(self.capacity))
-        self.hits = self.misses = self.cached_tokens = self.queried_tokens = self.evicted_bytes = 0
 
     @property
     def store_sizes(self) -> tuple[int, ...]:
