@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -222,6 +223,36 @@ def test_a_reset_forgets_every_block_and_no_counter_goes_down(engine):
     again = _results(engine, [_request(prompt, 3, salt="reset")])[0]
     assert again[0].cached_tokens == 0 and cache.stats()["misses"] == before["misses"] + 1  # forgotten
     _same(again, first)
+
+
+def test_a_failure_that_rebuilds_the_state_requeues_the_prompts_admitted_with_it(engine, monkeypatch):
+    """A prefill that fails after its donated state is gone ends its own request, and the engine builds
+    a new state and a new, empty prefix-cache pool (`_fail_all`). A prompt admitted in the same round,
+    whose lookup found cached blocks, goes back to the queue instead of copying those blocks out of
+    the new pool: it is looked up again (nothing cached now) and decodes exactly as a fresh prefill."""
+    rng = np.random.default_rng(13)
+    prompt = _tokens(rng, 3 * BLOCK + 2)
+    fresh = _results(engine, [_request(prompt, 4, salt="requeue-fresh")])[0]
+    assert _results(engine, [_request(prompt, 4, salt="requeue")])[0][0].cached_tokens == 0  # now cached
+    doomed = _request(_tokens(rng, 5), 3)
+    original = engine._prefill_into
+
+    def consumed_then_failed(slot, handle, *rest):
+        if handle.request is not doomed:
+            return original(slot, handle, *rest)
+        for leaf in jax.tree.leaves(engine.device) + jax.tree.leaves(engine.prefix_cache.pool):
+            leaf.delete()
+        raise RuntimeError("simulated fault after donation")
+
+    monkeypatch.setattr(engine, "_prefill_into", consumed_then_failed)
+    with engine._lock:  # one admission takes both, the failing one first
+        failing = engine.submit(doomed)
+        hit = engine.submit(_request(prompt, 4, salt="requeue"))
+    got = _collected([hit])[0]
+    failed = failing.wait()
+    assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
+    assert got[0].finish_reason != "error" and got[0].cached_tokens == 0
+    _same(got, fresh)
 
 
 def test_blocks_of_prompts_prefilled_together_are_cached(engine):

@@ -1006,7 +1006,8 @@ class BatchEngine:
                 units.append((buckets, entries[:size]))
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]
-        for buckets, entries in sorted(units, key=lambda unit: unit[1][0][2]):  # by first arrival
+        units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
+        for index, (buckets, entries) in enumerate(units):
             try:
                 if buckets is None:
                     self._prefill_into(*entries[0])
@@ -1014,9 +1015,19 @@ class BatchEngine:
                     self._prefill_group(entries, buckets)
             except Exception as exc:  # these requests end with the error, and only these (unless the state went)
                 log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
-                self._recover_device_state(exc)
+                rebuilt = self._recover_device_state(exc)
                 for slot, handle, submitted, *_ in entries:
                     self._fail_admission(slot, handle, submitted, exc)
+                if rebuilt:  # the prefix cache forgot its blocks: the later prompts' hits would copy nothing
+                    self._requeue([entry for _, later in units[index + 1:] for entry in later])
+                    return
+
+    def _requeue(self, entries: list) -> None:
+        """Put admitted but unstarted requests back at the head of the queue, in their order: the next
+        admission looks their prompts up again (on a new state after `_fail_all`)."""
+        with self._lock:
+            for _, handle, submitted, *_ in reversed(entries):
+                self._queue.appendleft((handle, submitted))
 
     def _fail_admission(self, slot_index: int, handle: RequestHandle, submitted: float, exc: Exception) -> None:
         """End the request `handle`, whose prefill into `slot_index` failed, with the error."""
@@ -1433,15 +1444,17 @@ class BatchEngine:
                                    uncompiled_shape=False),
             degeneracy=check_degeneracy(()), error=error))
 
-    def _recover_device_state(self, exc: Exception) -> None:
+    def _recover_device_state(self, exc: Exception) -> bool:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
-        state is gone), the running requests cannot go on: fail them and rebuild; else nothing was
-        lost and they carry on untouched."""
+        state is gone), the running requests cannot go on: fail them and rebuild (True); else nothing
+        was lost and they carry on untouched (False)."""
         leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
         leaves += jax.tree.leaves(self.drafter and self.drafter.cache)
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
+            return True
+        return False
 
     def _fail_all(self, exc: Exception) -> None:
         """End every running and prefilling request with `exc`, on a new state (the failed call may

@@ -126,8 +126,8 @@ def _compile_cache_on(engine_options: dict) -> None:
     """`start_engine`: JAX's persistent compilation cache on before the weights load (the directory
     the engine's warm-up uses, which turns it on too): loading compiles small programs of its own
     (dtype conversions, int8 quantisation: 31 for the built-in model, 1.3 s of XLA), which a warm
-    start then reads back instead (README, "Start-up"). Not in `follow_engine`: a follower never runs
-    the warm-up, and JAX writes cache entries from process 0 only. The warm-up's `compile_cache.track` scrubs corrupted
+    start then reads back instead (README, "Start-up"). Not in `follow_engine`: a follower replays the
+    warm-up's device calls but never turns the cache on, and JAX writes entries from process 0 only. The warm-up's `compile_cache.track` scrubs corrupted
     entries afterwards: a corrupted entry of such a program costs the start that finds it one
     compile (JAX warns and compiles), and is written anew by the next."""
     compile_cache.enable(engine_options.get("compile_cache_dir"))
