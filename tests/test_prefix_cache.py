@@ -245,13 +245,41 @@ def test_a_failure_that_rebuilds_the_state_requeues_the_prompts_admitted_with_it
         raise RuntimeError("simulated fault after donation")
 
     monkeypatch.setattr(engine, "_prefill_into", consumed_then_failed)
+    hits = engine.prefix_cache.stats()["hits"]
     with engine._lock:  # one admission takes both, the failing one first
         failing = engine.submit(doomed)
         hit = engine.submit(_request(prompt, 4, salt="requeue"))
     got = _collected([hit])[0]
     failed = failing.wait()
     assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
-    assert got[0].finish_reason != "error" and got[0].cached_tokens == 0
+    assert got[0].finish_reason == "length" and got[0].cached_tokens == 0
+    assert engine.prefix_cache.stats()["hits"] == hits + 1  # its first lookup hit (and stays counted)
+    _same(got, fresh)
+
+
+def test_a_hit_found_at_admission_is_not_evicted_by_a_prompt_admitted_before_it(engine):
+    """One admission looks every prompt it takes up first, then prefills them in arrival order: a
+    prompt that arrived earlier stores its blocks before a later prompt copies its hit. Under a pool
+    of 4 blocks the earlier prompt's store evicted the later one's hit blocks and reused their
+    entries, and the later prompt decoded from the earlier one's KV (another salt's); the hit blocks
+    are held until the admission ends, so the earlier prompt stores fewer and the later one decodes
+    exactly as a fresh prefill."""
+    rng = np.random.default_rng(17)
+    prompt, other = _tokens(rng, 3 * BLOCK + 2), _tokens(rng, 3 * BLOCK + 2)
+    fresh = _results(engine, [_request(prompt, 4, salt="held-fresh")])[0]
+    roomy = engine.prefix_cache
+    tiny = PrefixCache(engine.config, engine.max_model_len, BLOCK, 4 * roomy.block_bytes, engine.precision.kv_cache)
+    engine.prefix_cache = tiny  # the engine is idle between requests: swapped for this test only
+    try:
+        _results(engine, [_request(prompt, 4, salt="held")])  # 3 of the pool's 4 blocks
+        with engine._lock:  # one admission takes both, `other` first
+            first = engine.submit(_request(other, 4, salt="held-other"))
+            hit = engine.submit(_request(prompt, 4, salt="held"))
+        got = _collected([hit])[0]
+        assert first.wait().finish_reason == "length"
+    finally:
+        engine.prefix_cache = roomy
+    assert got[0].cached_tokens == 3 * BLOCK
     _same(got, fresh)
 
 

@@ -982,7 +982,10 @@ class BatchEngine:
         this call began, so requests that finish at their first token (max_tokens=1) free slots for
         the next iteration, not this one, and the running requests' decode always gets its turn.
         Whole prompts that fit a batched prefill shape are prefilled several at once, one forward
-        per group (`_prefill_group`); the others one at a time (`_prefill_into`), in arrival order."""
+        per group (`_prefill_group`); the others one at a time (`_prefill_into`), in arrival order.
+        Every prompt is looked up in the prefix cache first, and its hit held until the end (`hold`):
+        an earlier prompt's store never evicts it. A failure that rebuilds the state (a new, empty
+        prefix-cache pool) puts the prompts after it back at the head of the queue (`_requeue`)."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
@@ -1007,20 +1010,27 @@ class BatchEngine:
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]
         units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
-        for index, (buckets, entries) in enumerate(units):
-            try:
-                if buckets is None:
-                    self._prefill_into(*entries[0])
-                else:
-                    self._prefill_group(entries, buckets)
-            except Exception as exc:  # these requests end with the error, and only these (unless the state went)
-                log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
-                rebuilt = self._recover_device_state(exc)
-                for slot, handle, submitted, *_ in entries:
-                    self._fail_admission(slot, handle, submitted, exc)
-                if rebuilt:  # the prefix cache forgot its blocks: the later prompts' hits would copy nothing
-                    self._requeue([entry for _, later in units[index + 1:] for entry in later])
-                    return
+        if self.prefix_cache is not None:  # no earlier prompt's store evicts a later one's hit
+            for _, _, _, keys, hit in (entry for _, entries in units for entry in entries):
+                self.prefix_cache.hold(keys[:hit.blocks])
+        try:
+            for index, (buckets, entries) in enumerate(units):
+                try:
+                    if buckets is None:
+                        self._prefill_into(*entries[0])
+                    else:
+                        self._prefill_group(entries, buckets)
+                except Exception as exc:  # these requests end with the error, and only these (unless the state went)
+                    log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
+                    rebuilt = self._recover_device_state(exc)
+                    for slot, handle, submitted, *_ in entries:
+                        self._fail_admission(slot, handle, submitted, exc)
+                    if rebuilt and self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
+                        self._requeue([entry for _, later in units[index + 1:] for entry in later])
+                        return
+        finally:
+            if self.prefix_cache is not None:
+                self.prefix_cache.release()
 
     def _requeue(self, entries: list) -> None:
         """Put admitted but unstarted requests back at the head of the queue, in their order: the next

@@ -208,6 +208,16 @@ class PrefixCache:
     def _forget(self) -> None:
         self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
         self._free = list(range(self.capacity))
+        self._held: set[bytes] = set()  # `hold`
+
+    def hold(self, keys: list[bytes]) -> None:
+        """Keep these blocks from eviction until `release`: the hits an admission found at its lookups,
+        which its prefills copy only after the prompts that arrived earlier have stored theirs (a
+        store could otherwise reuse their pool entries, and the hit would copy another prompt's KV)."""
+        self._held.update(keys)
+
+    def release(self) -> None:
+        self._held.clear()
 
     @property
     def store_sizes(self) -> tuple[int, ...]:
@@ -310,7 +320,7 @@ class PrefixCache:
     def _allocate(self, pinned: set[bytes]) -> int | None:
         if self._free:
             return self._free.pop()
-        victim = next((key for key in self._entries if key not in pinned), None)
+        victim = next((key for key in self._entries if key not in pinned and key not in self._held), None)
         if victim is None:
             return None
         self.evicted_bytes += self.block_bytes
