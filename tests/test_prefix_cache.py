@@ -281,6 +281,9 @@ def test_a_hit_found_at_admission_is_not_evicted_by_a_prompt_admitted_before_it(
         engine.prefix_cache = roomy
     assert got[0].cached_tokens == 3 * BLOCK
     _same(got, fresh)
+    # `other` stored only its first block (the free one), evicted nothing, and the holds are gone
+    stats = tiny.stats()
+    assert stats["evicted_bytes"] == 0 and stats["blocks"] == 4 and not tiny._held
 
 
 def test_blocks_of_prompts_prefilled_together_are_cached(engine):

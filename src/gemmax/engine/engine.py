@@ -984,8 +984,9 @@ class BatchEngine:
         Whole prompts that fit a batched prefill shape are prefilled several at once, one forward
         per group (`_prefill_group`); the others one at a time (`_prefill_into`), in arrival order.
         Every prompt is looked up in the prefix cache first, and its hit held until the end (`hold`):
-        an earlier prompt's store never evicts it. A failure that rebuilds the state (a new, empty
-        prefix-cache pool) puts the prompts after it back at the head of the queue (`_requeue`)."""
+        an earlier prompt's store never evicts it. With the prefix cache on, a failure that rebuilds the
+        state (a new, empty pool) puts the prompts after it back at the head of the queue (`_requeue`);
+        without it, they are prefilled on the new state."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
