@@ -346,8 +346,8 @@ def serve(
 
     Start-up of the built-in model on a 2-core CPU (README "Start-up"): 65-85 s with an empty
     compile cache (23 programs compiled; 65.1 s on 2026-12-07), 11-20 s with a warm one (loaded,
-    not compiled; 10.9-15.2 s, median 13.2, on 2026-12-07); each program then runs before ready (a prefill chunk's below the largest
-    bucket at each past it can read), so a shape's first request does not pay XLA's first-run set-up.
+    not compiled; 10.9-15.2 s, median 13.2, on 2026-12-07); each program then runs before ready (a
+    prefill chunk's below the largest bucket at each past it can read), so a shape's first request does not pay XLA's first-run set-up.
     --no-warm-up skips all of that: ready once the model is loaded, each shape's first request pays it."""
     _setup_logging()
     if on_degenerate not in ("flag", "error"):

@@ -999,6 +999,8 @@ class BatchEngine:
         units: list[tuple[tuple[int, ...] | None, list]] = []  # (chunk buckets of a group, or None: alone; entries)
         for slot, handle, submitted in taken:
             keys, hit = self._prefix_lookup(handle.request)
+            if hit is not None:  # held until this admission ends: no earlier prompt's store evicts it
+                self.prefix_cache.hold(keys[:hit.blocks])
             entry = (slot, handle, submitted, keys, hit)
             buckets = None if hit is not None and hit.blocks else self._group_buckets(handle.request)
             if buckets is None:
@@ -1011,9 +1013,6 @@ class BatchEngine:
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]
         units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
-        if self.prefix_cache is not None:  # no earlier prompt's store evicts a later one's hit
-            for _, _, _, keys, hit in (entry for _, entries in units for entry in entries):
-                self.prefix_cache.hold(keys[:hit.blocks])
         try:
             for index, (buckets, entries) in enumerate(units):
                 try:

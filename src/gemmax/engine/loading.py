@@ -97,8 +97,16 @@ def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | Non
     "The tokenizer beside the warm-up"). With a draft model the engine reads both tokenizers before it
     starts (`check_draft`), so nothing overlaps. A tokenizer that fails to load shuts the engine down (a
     warm-up in progress is not interrupted: it runs on in its daemon thread) and `serve` then exits, now
-    after the weights have loaded. Returns (engine, tokenizer)."""
-    _compile_cache_on(engine_options)
+    after the weights have loaded. Returns (engine, tokenizer).
+
+    JAX's persistent compilation cache is on before the weights load, in the directory the warm-up
+    uses: loading compiles small programs of its own (dtype conversions, int8 quantisation: 31 for the
+    built-in model, 1.3 s of XLA), which a warm start then reads back (README, "Start-up"). The
+    warm-up's `compile_cache.track` scrubs corrupted entries afterwards, so a corrupted entry of such
+    a program costs the start that finds it one compile (JAX warns), and the next writes it anew.
+    Not in `follow_engine`: a follower replays the warm-up's device calls but never turns the cache
+    on, and JAX writes entries from process 0 only."""
+    compile_cache.enable(engine_options.get("compile_cache_dir"))
     loaded = load_model(model, dtype, quant, mesh=mesh)
     draft = assistant = None
     if draft_model is not None:
@@ -120,17 +128,6 @@ def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | Non
     except BaseException:
         engine.shutdown(0)
         raise
-
-
-def _compile_cache_on(engine_options: dict) -> None:
-    """`start_engine`: JAX's persistent compilation cache on before the weights load (the directory
-    the engine's warm-up uses, which turns it on too): loading compiles small programs of its own
-    (dtype conversions, int8 quantisation: 31 for the built-in model, 1.3 s of XLA), which a warm
-    start then reads back instead (README, "Start-up"). Not in `follow_engine`: a follower replays the
-    warm-up's device calls but never turns the cache on, and JAX writes entries from process 0 only. The warm-up's `compile_cache.track` scrubs corrupted
-    entries afterwards: a corrupted entry of such a program costs the start that finds it one
-    compile (JAX warns and compiles), and is written anew by the next."""
-    compile_cache.enable(engine_options.get("compile_cache_dir"))
 
 
 def follow_engine(model: str | None, dtype: str | None, quant: QuantOptions | None, mesh: MeshSpec,
