@@ -472,16 +472,79 @@ def test_a_decode_step_that_consumed_the_state_and_failed_ends_the_running_reque
     running = engine.submit(GenerationRequest((7, 3, 4), 30, ignore_eos=True))
     next(iter(running))
     monkeypatch.setattr(engine, "_forward", consumed_then_failed)
-    ended = []
-    waiting = threading.Thread(target=lambda: ended.append(running.wait()), daemon=True)
-    waiting.start()
-    waiting.join(120)
-    assert ended, f"the running request never ended (engine loop error: {engine.error!r})"
-    failed = ended[0]
+    failed = _ended(engine, running)
     assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
     monkeypatch.setattr(engine, "_forward", original)
     ok = engine.submit(GenerationRequest((7, 3, 4), 5, ignore_eos=True)).wait()
     assert list(ok.token_ids) == _reference(loaded, (7, 3, 4), 5) and engine.ready and engine.error is None
+
+
+def _ended(engine, handle, seconds: float = 120):
+    """The result of `handle`, failing the test if it has not ended within `seconds`."""
+    ended = []
+    waiting = threading.Thread(target=lambda: ended.append(handle.wait()), daemon=True)
+    waiting.start()
+    waiting.join(seconds)
+    assert ended, f"{handle.request_id} never ended (engine loop error: {engine.error!r})"
+    return ended[0]
+
+
+def _consume_the_state_and_fail(engine):
+    """What a device call that failed after XLA consumed its donated state leaves behind."""
+    for leaf in jax.tree.leaves(engine.device):
+        leaf.delete()
+    raise RuntimeError("simulated fault after donation")
+
+
+def test_a_start_in_a_group_that_took_the_state_requeues_the_prompts_prefilled_after_it(engine, loaded, monkeypatch):
+    """Two prompts prefilled in one forward; starting the first fails after the state went (a drafter's
+    prefill can consume it). The first ends with the error, the engine builds a new state, and the
+    second, whose KV went with the old cache, goes back to the queue, is prefilled again (alone now)
+    and decodes exactly as `generate`: it neither starts on the new state without its KV nor fails."""
+    original = engine._begin
+
+    def begin(slot_index, slot, *rest):
+        if slot.request.prompt_ids[0] == 94:
+            _consume_the_state_and_fail(engine)
+        return original(slot_index, slot, *rest)
+
+    monkeypatch.setattr(engine, "_begin", begin)
+    with engine._lock:  # one admission, one batched group
+        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (94, 93)]
+    failed, requeued = (_ended(engine, handle) for handle in group)
+    assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
+    assert requeued.finish_reason == "length" and requeued.timings.prefill_batch == 1
+    assert list(requeued.token_ids) == _reference(loaded, (93, 5), 4) and engine.error is None
+
+
+def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_started(engine, loaded, monkeypatch):
+    """A prefill takes the state with it and the rebuild that follows fails once: the fault escapes the
+    admission's handler. The prompt admitted after the failing one, taken from the queue but in no
+    slot yet, ends with that fault instead of waiting forever; the loop's handler rebuilds, and the
+    engine serves the next request exactly."""
+    rng = np.random.default_rng(23)
+    doomed, later = ((first, *(int(t) for t in rng.integers(3, 128, 19))) for first in (92, 91))  # 20 tokens: alone
+    original_prefill, original_init = engine._run_prefill, engine._init_device_state
+
+    def prefill(tokens, *args):
+        if tokens[0, 0] == 92:
+            _consume_the_state_and_fail(engine)
+        return original_prefill(tokens, *args)
+
+    def init_once():
+        monkeypatch.setattr(engine, "_init_device_state", original_init)
+        raise RuntimeError("simulated rebuild failure")
+
+    monkeypatch.setattr(engine, "_run_prefill", prefill)
+    monkeypatch.setattr(engine, "_init_device_state", init_once)
+    with engine._lock:  # one admission takes both, the failing one first
+        handles = [engine.submit(GenerationRequest(prompt, 4, ignore_eos=True)) for prompt in (doomed, later)]
+    failed, dropped = (_ended(engine, handle) for handle in handles)
+    assert failed.finish_reason == "error" and dropped.finish_reason == "error"
+    assert "simulated rebuild failure" in dropped.error
+    monkeypatch.setattr(engine, "_run_prefill", original_prefill)
+    ok = engine.submit(GenerationRequest(later, 4, ignore_eos=True)).wait()
+    assert list(ok.token_ids) == _reference(loaded, later, 4) and engine.ready and engine.error is None
 
 
 def test_shutdown_ends_every_queued_and_running_request(loaded):

@@ -986,7 +986,9 @@ class BatchEngine:
         Every prompt is looked up in the prefix cache first, and its hit held until the end (`hold`):
         an earlier prompt's store never evicts it. With the prefix cache on, a failure that rebuilds the
         state (a new, empty pool) puts the prompts after it back at the head of the queue (`_requeue`);
-        without it, they are prefilled on the new state."""
+        without it, they are prefilled on the new state. A fault that escapes the handler (the rebuild
+        itself failed) first ends, with that fault, the requests taken here and not started: nothing
+        else would (they are in no queue, slot or prefill), and their clients would wait forever."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
@@ -995,8 +997,37 @@ class BatchEngine:
             taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
+        try:
+            units = self._admission_units(taken)
+            for index, (buckets, entries) in enumerate(units):
+                try:
+                    if buckets is None:
+                        self._prefill_into(*entries[0])
+                        rebuilt = False
+                    else:
+                        rebuilt = self._prefill_group(entries, buckets)
+                except Exception as exc:  # these requests end with the error, and only these (unless the state went)
+                    log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
+                    rebuilt = self._recover_device_state(exc)
+                    for slot, handle, submitted, *_ in entries:
+                        self._fail_admission(slot, handle, submitted, exc)
+                if rebuilt and self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
+                    self._requeue([entry for _, later in units[index + 1:] for entry in later])
+                    return
+        except BaseException as exc:  # a fault the handler above could not contain (a rebuild that failed)
+            self._end_unstarted(taken, exc)
+            raise
+        finally:
+            if self.prefix_cache is not None:
+                self.prefix_cache.release()
+
+    def _admission_units(self, taken: list) -> list[tuple[tuple[int, ...] | None, list]]:
+        """The prefills of one admission's requests ((slot, handle, submitted)), in order of first
+        arrival: (chunk buckets, entries) for a batched group, (None, [entry]) for a prompt alone,
+        each entry (slot, handle, submitted, block keys, prefix hit). Every prompt is looked up in
+        the prefix cache here and its hit held (`hold`) until `_admit` releases them."""
         groups: dict[tuple[int, ...], list] = {}  # prompts by the buckets of their chunks
-        units: list[tuple[tuple[int, ...] | None, list]] = []  # (chunk buckets of a group, or None: alone; entries)
+        units: list[tuple[tuple[int, ...] | None, list]] = []
         for slot, handle, submitted in taken:
             keys, hit = self._prefix_lookup(handle.request)
             if hit is not None:  # held until this admission ends: no earlier prompt's store evicts it
@@ -1013,24 +1044,20 @@ class BatchEngine:
                 entries = entries[size:]
             units += [(None, [entry]) for entry in entries]
         units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
-        try:
-            for index, (buckets, entries) in enumerate(units):
-                try:
-                    if buckets is None:
-                        self._prefill_into(*entries[0])
-                    else:
-                        self._prefill_group(entries, buckets)
-                except Exception as exc:  # these requests end with the error, and only these (unless the state went)
-                    log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
-                    rebuilt = self._recover_device_state(exc)
-                    for slot, handle, submitted, *_ in entries:
-                        self._fail_admission(slot, handle, submitted, exc)
-                    if rebuilt and self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
-                        self._requeue([entry for _, later in units[index + 1:] for entry in later])
-                        return
-        finally:
-            if self.prefix_cache is not None:
-                self.prefix_cache.release()
+        return units
+
+    def _end_unstarted(self, taken: list, exc: BaseException) -> None:
+        """End with `exc` every request of `taken` ((slot, handle, submitted)) that an admission took
+        from the queue and left nowhere: not finished, not back in the queue, not prefilling and not
+        decoding. Those are the requests the loop's own handler and its final clean-up cannot see."""
+        with self._lock:
+            queued = {id(handle) for handle, _ in self._queue}
+        placed = queued | {id(slot.handle) for slot in self._slots if slot is not None}
+        placed |= {id(entry.slot.handle) for entry in self._prefilling.values()}
+        error = f"{type(exc).__name__}: {exc}"
+        for _, handle, submitted in taken:
+            if handle.result is None and id(handle) not in placed:
+                self._finish_unstarted(handle, submitted, "error", error)
 
     def _requeue(self, entries: list) -> None:
         """Put admitted but unstarted requests back at the head of the queue, in their order: the next
@@ -1102,12 +1129,14 @@ class BatchEngine:
             # budget counts the token just produced; the device runs while tokens are still owed
             self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
-    def _prefill_group(self, entries: list, buckets: tuple[int, ...]) -> None:
+    def _prefill_group(self, entries: list, buckets: tuple[int, ...]) -> bool:
         """Prefill the prompts of `entries` ((slot, handle, submitted, block keys, prefix hit), no
         hit), whose chunks all have `buckets`, chunk by chunk, each chunk of every prompt in one
         forward of the smallest batched shape that holds them (steps.prefill_rows; idle rows of the
         shape are other slots, which it leaves as they are), then start each one decoding. Every
-        chunk but the last is full, so a chunk starts at the same position in every prompt."""
+        chunk but the last is full, so a chunk starts at the same position in every prompt. Returns
+        whether starting one failed and took the state with it (`_recover_device_state`): the prompts
+        after it, whose KV went with the old cache, are then back at the head of the queue."""
         size = self.shapes.prefill_group(len(entries), buckets)
         admitted = time.perf_counter()
         slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
@@ -1137,9 +1166,14 @@ class BatchEngine:
                     self._finish_unstarted(handle, submitted)
                     continue
                 self._begin(i, slot, ids[j], lps[j], top_ids[j], top_lps[j])
-            except Exception as exc:  # this request ends with the error, and only this one
+            except Exception as exc:  # this request ends with the error, and only this one (unless the state went)
                 log.exception("starting %s failed", handle.request_id)
+                rebuilt = self._recover_device_state(exc)
                 self._fail_admission(i, handle, submitted, exc)
+                if rebuilt:
+                    self._requeue(entries[j + 1:])
+                    return True
+        return False
 
     def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float, keys: list[bytes],
                       hit) -> None:
