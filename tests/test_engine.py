@@ -559,6 +559,41 @@ def test_shutdown_ends_every_queued_and_running_request(loaded):
     assert not eng.ready
 
 
+def test_a_submit_that_raced_the_shutdown_is_refused_not_queued_where_nothing_takes_it(loaded, monkeypatch):
+    """A request that read `ready` just before the engine's loop stopped and ended its queue is refused
+    (EngineNotReady, a 503) instead of queued behind the loop's last look at the queue, where its
+    client would wait forever."""
+    from gemmax.engine.api import EngineNotReady
+
+    # the shapes of the shutdown test's engine: their programs are loaded from the session's store
+    eng = BatchEngine(loaded, max_model_len=64, max_batch=1, buckets=(8,)).start()
+    assert eng.wait_ready(300)
+    validated, go_on = threading.Event(), threading.Event()
+    validate = engine_module.validate_request
+
+    def slow_validate(*args, **kwargs):  # `submit` is past its `ready` check here
+        validated.set()
+        go_on.wait(60)
+        return validate(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "validate_request", slow_validate)
+    outcome = []
+
+    def submit():
+        try:
+            outcome.append(eng.submit(GenerationRequest((5, 6, 7), 4, ignore_eos=True)))
+        except EngineNotReady as exc:
+            outcome.append(exc)
+
+    submitting = threading.Thread(target=submit, daemon=True)
+    submitting.start()
+    assert validated.wait(60)
+    eng.shutdown(drain_timeout=0)  # the loop ends its queue and stops
+    go_on.set()
+    submitting.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineNotReady), outcome
+
+
 def test_a_warm_up_past_the_limit_on_memory_maps_stops_with_the_arithmetic(loaded, monkeypatch):
     """A host whose limit on memory maps (vm.max_map_count) is below what the process holds already:
     warm-up stops at the first program ready, with the numbers (XLA:CPU's JIT maps each compiled

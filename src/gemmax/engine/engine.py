@@ -316,6 +316,7 @@ class BatchEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._drained = False  # the loop has ended its queue for good: `submit` refuses, under the lock
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._constraints = None  # ConstraintCompiler, built by the first constrained request
@@ -402,6 +403,8 @@ class BatchEngine:
                                  "yet (docs/mesh.md): serve it from one process", "unsupported")
         handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
         with self._lock:
+            if self._drained:  # the loop stopped after `ready` was read above: nothing would take it
+                raise EngineNotReady("engine is not ready (shutting down, or its loop failed)")
             self.admission.check(len(self._queue))  # QueueFull (503 + Retry-After) at the bound
             self._queue.append((handle, time.perf_counter()))
             self._lock.notify()
@@ -948,6 +951,7 @@ class BatchEngine:
             if self.error is not None:  # the loop died: nothing writes to its state again (`_finish`)
                 self.device = None
             with self._lock:
+                self._drained = True
                 queued = list(self._queue)
                 self._queue.clear()
             for handle, submitted in queued:
