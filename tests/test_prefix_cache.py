@@ -257,6 +257,33 @@ def test_a_failure_that_rebuilds_the_state_requeues_the_prompts_admitted_with_it
     _same(got, fresh)
 
 
+def test_the_counters_are_shown_only_once_ready_so_no_scrape_sees_them_go_down(hf_checkpoints, monkeypatch):
+    """Warm-up's throwaway requests look their prompts up (counted), then warm-up's `clear` zeroes the
+    counters: a /metrics scrape in between saw Prometheus counters go down. The engine's stats show
+    the prefix cache only once it is ready, from zero."""
+    loaded = load_model(str(hf_checkpoints["g4_shared"][0]), "float32")
+    # the shapes of the module's engine: its programs are loaded from the session's store
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(BLOCK, 32), steps_per_dispatch=3,
+                      prefix_cache_bytes=1 << 20)
+    seen = []  # what a scrape saw just before and just after each `clear`
+    clear = PrefixCache.clear
+
+    def clear_between_scrapes(cache):
+        seen.append(eng.stats().prefix_cache)
+        clear(cache)
+        seen.append(eng.stats().prefix_cache)
+
+    monkeypatch.setattr(PrefixCache, "clear", clear_between_scrapes)
+    try:
+        assert eng.start().wait_ready(300)
+        assert len(seen) >= 2 and seen[-2] is None and seen[-1] is None  # warm-up's clear: nothing shown
+        assert eng.prefix_cache.queried_tokens == 0 and eng.stats().prefix_cache["misses"] == 0
+        _results(eng, [_request((5, 6, 7, 8, 9, 10, 11, 12, 13), 2)])
+        assert eng.stats().prefix_cache["misses"] == 1
+    finally:
+        eng.shutdown(drain_timeout=5)
+
+
 def test_a_hit_found_at_admission_is_not_evicted_by_a_prompt_admitted_before_it(engine):
     """One admission looks every prompt it takes up first, then prefills them in arrival order: a
     prompt that arrived earlier stores its blocks before a later prompt copies its hit. Under a pool

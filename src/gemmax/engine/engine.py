@@ -411,11 +411,14 @@ class BatchEngine:
         return handle
 
     def stats(self) -> EngineStats:
+        """What is running and waiting now; the prefix cache's figures only once the engine is ready
+        (/metrics exports its counters as Prometheus counters, which must never go down: warm-up's
+        throwaway requests count, then its `clear` zeroes them)."""
         with self._lock:
             running = sum(s is not None for s in self._slots) + len(self._prefilling)  # prefilling ones too
+            shown = self.prefix_cache is not None and self._ready.is_set()
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
-                               slots_total=self.max_batch,
-                               prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats())
+                               slots_total=self.max_batch, prefix_cache=self.prefix_cache.stats() if shown else None)
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         self._closing = True

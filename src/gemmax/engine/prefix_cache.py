@@ -193,8 +193,8 @@ class PrefixCache:
     def reset(self) -> None:
         """A new pool, every block forgotten (at start, and after a failed device call that may have
         consumed the pool); the compiled copy steps stay, and so do the counters, which /metrics
-        exports as Prometheus counters (once the engine is ready they never go down; warm-up's
-        `clear` zeroes its throwaway requests' counts before that)."""
+        exports as Prometheus counters once the engine is ready (`BatchEngine.stats`; warm-up's
+        `clear` zeroes its throwaway requests' counts before that): they never go down."""
         self.pool = None
         self.pool = init_cache(self.config, self.capacity, self.block, self.kv_dtype)
         self._forget()
