@@ -993,7 +993,9 @@ class BatchEngine:
         Every prompt is looked up in the prefix cache first, and its hit held until the end (`hold`):
         an earlier prompt's store never evicts it. With the prefix cache on, a failure that rebuilds the
         state (a new, empty pool) puts the prompts after it back at the head of the queue (`_requeue`);
-        without it, they are prefilled on the new state. A fault that escapes the handler (the rebuild
+        without it, they are prefilled on the new state. The prompts of a batched group that were
+        prefilled but not started when the state went go back either way (their KV went with it), in
+        arrival order with the others. A fault that escapes the handler (the rebuild
         itself failed) first ends, with that fault, the requests taken here and not started: nothing
         else would (they are in no queue, slot or prefill), and their clients would wait forever."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
@@ -1007,20 +1009,25 @@ class BatchEngine:
         try:
             units = self._admission_units(taken)
             for index, (buckets, entries) in enumerate(units):
+                unstarted = None  # a group's prompts after a start that took the state (`_prefill_group`)
                 try:
                     if buckets is None:
                         self._prefill_into(*entries[0])
-                        rebuilt = False
                     else:
-                        rebuilt = self._prefill_group(entries, buckets)
+                        unstarted = self._prefill_group(entries, buckets)
+                    rebuilt = unstarted is not None
                 except Exception as exc:  # these requests end with the error, and only these (unless the state went)
                     log.exception("prefill of %s failed", ", ".join(entry[1].request_id for entry in entries))
                     rebuilt = self._recover_device_state(exc)
                     for slot, handle, submitted, *_ in entries:
                         self._fail_admission(slot, handle, submitted, exc)
-                if rebuilt and self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
-                    self._requeue([entry for _, later in units[index + 1:] for entry in later])
-                    return
+                if rebuilt:
+                    back = unstarted or []
+                    if self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
+                        back += [entry for _, later in units[index + 1:] for entry in later]
+                    self._requeue(sorted(back, key=lambda entry: entry[2]))  # in arrival order
+                    if self.prefix_cache is not None:
+                        return
         except BaseException as exc:  # a fault the handler above could not contain (a rebuild that failed)
             self._end_unstarted(taken, exc)
             raise
@@ -1136,14 +1143,14 @@ class BatchEngine:
             # budget counts the token just produced; the device runs while tokens are still owed
             self._set_slot(slot_index, remaining=slot.budget - len(slot.tokens))
 
-    def _prefill_group(self, entries: list, buckets: tuple[int, ...]) -> bool:
+    def _prefill_group(self, entries: list, buckets: tuple[int, ...]) -> list | None:
         """Prefill the prompts of `entries` ((slot, handle, submitted, block keys, prefix hit), no
         hit), whose chunks all have `buckets`, chunk by chunk, each chunk of every prompt in one
         forward of the smallest batched shape that holds them (steps.prefill_rows; idle rows of the
         shape are other slots, which it leaves as they are), then start each one decoding. Every
         chunk but the last is full, so a chunk starts at the same position in every prompt. Returns
-        whether starting one failed and took the state with it (`_recover_device_state`): the prompts
-        after it, whose KV went with the old cache, are then back at the head of the queue."""
+        None, or, when starting one failed and took the state with it (`_recover_device_state`), the
+        entries after it, whose KV went with the old cache: `_admit` puts them back in the queue."""
         size = self.shapes.prefill_group(len(entries), buckets)
         admitted = time.perf_counter()
         slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
@@ -1178,9 +1185,8 @@ class BatchEngine:
                 rebuilt = self._recover_device_state(exc)
                 self._fail_admission(i, handle, submitted, exc)
                 if rebuilt:
-                    self._requeue(entries[j + 1:])
-                    return True
-        return False
+                    return entries[j + 1:]
+        return None
 
     def _prefill_into(self, slot_index: int, handle: RequestHandle, submitted: float, keys: list[bytes],
                       hit) -> None:
