@@ -501,20 +501,56 @@ def test_a_start_in_a_group_that_took_the_state_requeues_the_prompts_prefilled_a
     prefill can consume it). The first ends with the error, the engine builds a new state, and the
     second, whose KV went with the old cache, goes back to the queue, is prefilled again (alone now)
     and decodes exactly as `generate`: it neither starts on the new state without its KV nor fails."""
-    original = engine._begin
+    started = _fail_the_start_of(engine, monkeypatch, 94)
+    with engine._lock:  # one admission, one batched group
+        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (94, 93)]
+    failed, requeued = (_ended(engine, handle) for handle in group)
+    assert started[0] == 2  # the failing start was in a group of two
+    assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
+    assert requeued.finish_reason == "length" and requeued.timings.prefill_batch == 1
+    assert list(requeued.token_ids) == _reference(loaded, (93, 5), 4) and engine.error is None
+
+
+def _fail_the_start_of(engine, monkeypatch, first_token: int) -> list[int]:
+    """Make starting a prompt that begins with `first_token` take the state and fail; returns the
+    prefill batch sizes of the starts that failed, as they happen."""
+    original, batches = engine._begin, []
 
     def begin(slot_index, slot, *rest):
-        if slot.request.prompt_ids[0] == 94:
+        if slot.request.prompt_ids[0] == first_token:
+            batches.append(slot.prefill_batch)
             _consume_the_state_and_fail(engine)
         return original(slot_index, slot, *rest)
 
     monkeypatch.setattr(engine, "_begin", begin)
+    return batches
+
+
+def _fail_the_next_rebuild(engine, monkeypatch) -> None:
+    original = engine._init_device_state
+
+    def init_once():
+        monkeypatch.setattr(engine, "_init_device_state", original)
+        raise RuntimeError("simulated rebuild failure")
+
+    monkeypatch.setattr(engine, "_init_device_state", init_once)
+
+
+def test_a_rebuild_that_fails_after_a_group_start_took_the_state_is_tried_again(engine, loaded, monkeypatch):
+    """Starting a prompt of a batched group takes the state, and the rebuild that follows fails once,
+    inside the group (its error reaches the admission's handler as the group's failure). The engine
+    has no state then: it builds one again instead of leaving every later request to fail against
+    none while it reports ready. Both prompts of the group end with the error; the next request is
+    served exactly."""
+    started = _fail_the_start_of(engine, monkeypatch, 90)
+    _fail_the_next_rebuild(engine, monkeypatch)
     with engine._lock:  # one admission, one batched group
-        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (94, 93)]
-    failed, requeued = (_ended(engine, handle) for handle in group)
-    assert failed.finish_reason == "error" and "simulated fault after donation" in failed.error
-    assert requeued.finish_reason == "length" and requeued.timings.prefill_batch == 1
-    assert list(requeued.token_ids) == _reference(loaded, (93, 5), 4) and engine.error is None
+        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (90, 89)]
+    results = [_ended(engine, handle) for handle in group]
+    assert started == [2] and [r.finish_reason for r in results] == ["error", "error"]
+    assert all("simulated rebuild failure" in r.error for r in results)
+    ok = engine.submit(GenerationRequest((89, 5), 4, ignore_eos=True)).wait()
+    assert list(ok.token_ids) == _reference(loaded, (89, 5), 4) and engine.ready and engine.error is None
 
 
 def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_started(engine, loaded, monkeypatch):
@@ -524,19 +560,15 @@ def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_st
     engine serves the next request exactly."""
     rng = np.random.default_rng(23)
     doomed, later = ((first, *(int(t) for t in rng.integers(3, 128, 19))) for first in (92, 91))  # 20 tokens: alone
-    original_prefill, original_init = engine._run_prefill, engine._init_device_state
+    original_prefill = engine._run_prefill
 
     def prefill(tokens, *args):
         if tokens[0, 0] == 92:
             _consume_the_state_and_fail(engine)
         return original_prefill(tokens, *args)
 
-    def init_once():
-        monkeypatch.setattr(engine, "_init_device_state", original_init)
-        raise RuntimeError("simulated rebuild failure")
-
     monkeypatch.setattr(engine, "_run_prefill", prefill)
-    monkeypatch.setattr(engine, "_init_device_state", init_once)
+    _fail_the_next_rebuild(engine, monkeypatch)
     with engine._lock:  # one admission takes both, the failing one first
         handles = [engine.submit(GenerationRequest(prompt, 4, ignore_eos=True)) for prompt in (doomed, later)]
     failed, dropped = (_ended(engine, handle) for handle in handles)
@@ -589,6 +621,8 @@ def test_a_submit_that_raced_the_shutdown_is_refused_not_queued_where_nothing_ta
     submitting.start()
     assert validated.wait(60)
     eng.shutdown(drain_timeout=0)  # the loop ends its queue and stops
+    eng._thread.join(60)
+    assert not eng._thread.is_alive()
     go_on.set()
     submitting.join(60)
     assert len(outcome) == 1 and isinstance(outcome[0], EngineNotReady), outcome

@@ -302,7 +302,8 @@ class BatchEngine:
         self._device_constants: dict[tuple, jax.Array] = {}
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # also set when warm-up failed (`wait_ready` raises then)
+        self._warmed_up = False  # set with `_ready` by a warm-up that succeeded: `stats` shows the prefix cache
         self._closing = False
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[RequestHandle, float]] = collections.deque()
@@ -411,12 +412,12 @@ class BatchEngine:
         return handle
 
     def stats(self) -> EngineStats:
-        """What is running and waiting now; the prefix cache's figures only once the engine is ready
+        """What is running and waiting now; the prefix cache's figures only once warm-up is done
         (/metrics exports its counters as Prometheus counters, which must never go down: warm-up's
-        throwaway requests count, then its `clear` zeroes them)."""
+        throwaway requests count, then its `clear` zeroes them; a warm-up that failed never clears)."""
         with self._lock:
             running = sum(s is not None for s in self._slots) + len(self._prefilling)  # prefilling ones too
-            shown = self.prefix_cache is not None and self._ready.is_set()
+            shown = self.prefix_cache is not None and self._warmed_up
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
                                slots_total=self.max_batch, prefix_cache=self.prefix_cache.stats() if shown else None)
 
@@ -539,6 +540,7 @@ class BatchEngine:
                               **executables, "executables_never_run": self.steps.never_run()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
+        self._warmed_up = True
         self._ready.set()
 
     def _warm_up_requests(self, maps: MapBudget) -> None:
@@ -573,6 +575,7 @@ class BatchEngine:
                               **executables, "executables_never_run": 0}
         log.info("warm-up skipped (--no-warm-up): ready in %.2f s; each of the %d declared shapes is compiled, or "
                  "loaded from the store, by the first request that needs it (uncompiled_shape)", seconds, declared)
+        self._warmed_up = True
         self._ready.set()
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
@@ -994,10 +997,11 @@ class BatchEngine:
         an earlier prompt's store never evicts it. With the prefix cache on, a failure that rebuilds the
         state (a new, empty pool) puts the prompts after it back at the head of the queue (`_requeue`);
         without it, they are prefilled on the new state. The prompts of a batched group that were
-        prefilled but not started when the state went go back either way (their KV went with it), in
-        arrival order with the others. A fault that escapes the handler (the rebuild
-        itself failed) first ends, with that fault, the requests taken here and not started: nothing
-        else would (they are in no queue, slot or prefill), and their clients would wait forever."""
+        prefilled but not started when the state went go back either way (their KV went with it; with
+        the prefix cache on, in arrival order with the later prompts). A fault that escapes the
+        handler (the rebuild itself failed) first ends, with that fault, the requests taken here and
+        not started: nothing else would (they are in no queue, slot or prefill), and their clients
+        would wait forever."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
@@ -1503,11 +1507,12 @@ class BatchEngine:
 
     def _recover_device_state(self, exc: Exception) -> bool:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
-        state is gone), the running requests cannot go on: fail them and rebuild (True); else nothing
-        was lost and they carry on untouched (False)."""
+        state is gone), or the state is missing (a rebuild failed), the running requests cannot go
+        on: fail them and rebuild (True); else nothing was lost and they carry on untouched (False)."""
         leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
         leaves += jax.tree.leaves(self.drafter and self.drafter.cache)
-        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+        # None: a rebuild failed (`_fail_all`) in a call whose caller caught it (a group's `_begin`)
+        if self.device is None or any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
             return True
