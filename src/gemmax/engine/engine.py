@@ -1158,6 +1158,9 @@ class BatchEngine:
         size = self.shapes.prefill_group(len(entries), buckets)
         admitted = time.perf_counter()
         slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
+        for _, handle, _, _, hit in entries:  # the lookups count now that their prefill starts (misses)
+            if hit is not None:
+                self.prefix_cache.record(hit, len(handle.request.prompt_ids))
         used = [entry[0] for entry in entries]
         rows = np.asarray(used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)], np.int32)
         want = np.zeros(size, np.bool_)
@@ -1270,6 +1273,8 @@ class BatchEngine:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
         cached prefix (`hit`) is first copied into the slot (`slot.cached_tokens`) and the chunks
         start after it, each on a block boundary (gemmax.engine.prefix_cache)."""
+        if hit is not None:  # the lookup counts now that its prefill starts
+            self.prefix_cache.record(hit, len(prompt))
         if hit is not None and hit.blocks:
             cache, compiled = self.prefix_cache.load(self.device.cache, slot_index, hit)
             self.device = dataclasses.replace(self.device, cache=cache)

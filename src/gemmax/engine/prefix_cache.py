@@ -287,7 +287,8 @@ class PrefixCache:
         return range(max(0, blocks * self.block - max(self.rings)) // self.block, blocks)
 
     def lookup(self, keys: list[bytes], prompt_len: int) -> PrefixHit:
-        """The longest usable cached prefix (leaving at least one token to prefill); counts the query."""
+        """The longest usable cached prefix (leaving at least one token to prefill); counted by `record`
+        once its prompt's prefill starts, not here (a prompt put back in the queue is looked up again)."""
         limit = min(len(keys), (prompt_len - 1) // self.block)
         chain = 0
         while chain < limit and keys[chain] in self._entries:
@@ -296,15 +297,19 @@ class PrefixCache:
                        if all(self._entries[keys[i]].sliding for i in self._needs_sliding(m))), 0)
         for key in reversed(keys[:blocks]):  # the chain's first block ends most recently used
             self._entries.move_to_end(key)
-        self.queried_tokens += prompt_len
-        self.hits += blocks > 0
-        self.misses += blocks == 0
-        self.cached_tokens += blocks * self.block
         needed = set(self._needs_sliding(blocks))
         return PrefixHit(blocks=blocks, tokens=blocks * self.block,
                          entries=tuple(self._entries[k].index for k in keys[:blocks]),
                          sliding_entries=tuple(self._entries[k].index if i in needed else 0
                                                for i, k in enumerate(keys[:blocks])))
+
+    def record(self, hit: PrefixHit, prompt_len: int) -> None:
+        """Count the lookup of a prompt whose prefill starts now with `hit` (the counters /metrics
+        exports: a hit or a miss, the prompt's tokens, the tokens its hit copies)."""
+        self.queried_tokens += prompt_len
+        self.hits += hit.blocks > 0
+        self.misses += hit.blocks == 0
+        self.cached_tokens += hit.tokens
 
     def load(self, cache: KVCache, slot: int, hit: PrefixHit) -> tuple[KVCache, bool]:
         """`cache` with the hit's blocks in row `slot`; and whether that compiled a new copy shape."""
