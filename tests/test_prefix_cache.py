@@ -288,6 +288,72 @@ def test_the_counters_are_shown_only_once_ready_so_no_scrape_sees_them_go_down(h
         eng.shutdown(drain_timeout=5)
 
 
+def _fail_the_start_of(engine, monkeypatch, doomed) -> list[int]:
+    """Make starting `doomed` take the state and fail (as a draft model's prefill that consumed it
+    would); returns the prefill batch size of each such start."""
+    original, batches = engine._begin, []
+
+    def begin(slot_index, slot, *rest):
+        if slot.request is doomed:
+            batches.append(slot.prefill_batch)
+            for leaf in jax.tree.leaves(engine.device):
+                leaf.delete()
+            raise RuntimeError("simulated fault after donation")
+        return original(slot_index, slot, *rest)
+
+    monkeypatch.setattr(engine, "_begin", begin)
+    return batches
+
+
+def test_a_prompt_put_back_from_a_group_is_counted_once(engine, monkeypatch):
+    """Two prompts prefilled in one forward; starting the first takes the state, so the second goes
+    back to the queue (its KV went with the state) and is prefilled again. Each lookup is counted
+    once, as its prompt starts: two misses, not three."""
+    rng = np.random.default_rng(29)
+    doomed, other = _request(_tokens(rng, 6), 3, salt="once"), _request(_tokens(rng, 7), 3, salt="once")
+    batches = _fail_the_start_of(engine, monkeypatch, doomed)
+    counters = ("hits", "misses", "cached_tokens", "queried_tokens")
+    before = {key: engine.prefix_cache.stats()[key] for key in counters}
+    with engine._lock:  # one admission, one batched group
+        handles = [engine.submit(doomed), engine.submit(other)]
+    (failed, _), (put_back, _) = _collected(handles)
+    assert batches == [2] and failed.finish_reason == "error" and put_back.finish_reason == "length"
+    assert put_back.timings.prefill_batch == 1  # prefilled again, alone
+    after = {key: engine.prefix_cache.stats()[key] for key in counters}
+    assert after == {**before, "misses": before["misses"] + 2, "queried_tokens": before["queried_tokens"] + 13}
+
+
+def test_a_rebuild_that_stopped_before_its_pool_is_finished_by_the_next_recovery(engine, monkeypatch):
+    """Starting a prompt of a batched group takes the state; the rebuild that follows builds the
+    device state but fails to allocate the prefix cache's pool, and its error reaches the admission's
+    handler as the group's failure. That recovery rebuilds again (before, it saw no consumed buffer,
+    and every later prompt's store or copy failed against the missing pool); prefix caching then
+    works as before."""
+    rng = np.random.default_rng(31)
+    doomed, other = _request(_tokens(rng, 6), 3), _request(_tokens(rng, 7), 3)
+    batches = _fail_the_start_of(engine, monkeypatch, doomed)
+    cache = engine.prefix_cache
+    reset = cache.reset
+
+    def reset_fails_once():
+        monkeypatch.setattr(cache, "reset", reset)
+        cache.pool = None  # as an allocation that failed leaves it
+        raise RuntimeError("simulated pool allocation failure")
+
+    monkeypatch.setattr(cache, "reset", reset_fails_once)
+    with engine._lock:  # one admission, one batched group
+        handles = [engine.submit(doomed), engine.submit(other)]
+    assert [result.finish_reason for result, _ in _collected(handles)] == ["error", "error"]
+    assert batches == [2] and cache.pool is not None
+    prompt = _tokens(rng, 3 * BLOCK + 2)
+    fresh = _results(engine, [_request(prompt, 4, salt="pool-fresh")])[0]
+    first = _results(engine, [_request(prompt, 4, salt="pool")])[0]
+    again = _results(engine, [_request(prompt, 4, salt="pool")])[0]
+    assert first[0].cached_tokens == 0 and again[0].cached_tokens == 3 * BLOCK
+    _same(first, fresh)
+    _same(again, fresh)
+
+
 def test_a_hit_found_at_admission_is_not_evicted_by_a_prompt_admitted_before_it(engine):
     """One admission looks every prompt it takes up first, then prefills them in arrival order: a
     prompt that arrived earlier stores its blocks before a later prompt copies its hit. Under a pool

@@ -318,6 +318,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._drained = False  # the loop has ended its queue for good: `submit` refuses, under the lock
+        self._rebuilding = False  # `_fail_all` is building a new state, or raised before it was whole
         self._info: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._constraints = None  # ConstraintCompiler, built by the first constrained request
@@ -1158,9 +1159,6 @@ class BatchEngine:
         size = self.shapes.prefill_group(len(entries), buckets)
         admitted = time.perf_counter()
         slots = [self._open_slot(i, handle, submitted, admitted) for i, handle, submitted, *_ in entries]
-        for _, handle, _, _, hit in entries:  # the lookups count now that their prefill starts (misses)
-            if hit is not None:
-                self.prefix_cache.record(hit, len(handle.request.prompt_ids))
         used = [entry[0] for entry in entries]
         rows = np.asarray(used + [i for i in range(self.max_batch) if i not in used][: size - len(entries)], np.int32)
         want = np.zeros(size, np.bool_)
@@ -1178,10 +1176,12 @@ class BatchEngine:
                     slot.uncompiled |= self.prefix_cache.store(self.device.cache, i, keys, start + int(real))
             start += bucket
         ids, lps, top_ids, top_lps = jax.device_get(out)
-        for j, ((i, handle, submitted, _, _), slot) in enumerate(zip(entries, slots, strict=True)):
+        for j, ((i, handle, submitted, _, hit), slot) in enumerate(zip(entries, slots, strict=True)):
             slot.uncompiled |= compiled
             slot.bucket_total, slot.prefill_batch = sum(buckets), len(entries)
             slot.pad_tokens = slot.bucket_total - len(slot.request.prompt_ids)
+            if hit is not None:  # its lookup (a miss) counts now; a prompt put back below counts when it starts
+                self.prefix_cache.record(hit, len(slot.request.prompt_ids))
             try:
                 if handle.cancelled:  # the client went away during the prefill: the slot stays free
                     self._finish_unstarted(handle, submitted)
@@ -1273,13 +1273,13 @@ class BatchEngine:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
         cached prefix (`hit`) is first copied into the slot (`slot.cached_tokens`) and the chunks
         start after it, each on a block boundary (gemmax.engine.prefix_cache)."""
-        if hit is not None:  # the lookup counts now that its prefill starts
-            self.prefix_cache.record(hit, len(prompt))
         if hit is not None and hit.blocks:
             cache, compiled = self.prefix_cache.load(self.device.cache, slot_index, hit)
             self.device = dataclasses.replace(self.device, cache=cache)
             slot.uncompiled |= compiled
             slot.cached_tokens = hit.tokens
+        if hit is not None:  # the lookup counts now that its blocks are copied and its prefill starts
+            self.prefix_cache.record(hit, len(prompt))
         return self._chunks(len(prompt), slot.cached_tokens)
 
     def _constraint_compiler(self):
@@ -1512,12 +1512,13 @@ class BatchEngine:
 
     def _recover_device_state(self, exc: Exception) -> bool:
         """After a failed device call: if it consumed donated buffers (the cache or the sampling
-        state is gone), or the state is missing (a rebuild failed), the running requests cannot go
-        on: fail them and rebuild (True); else nothing was lost and they carry on untouched (False)."""
+        state is gone), or a rebuild did not finish (`_fail_all` raised, in a call whose caller caught
+        it: a group's `_begin`; the state, the pool or the running requests are left as it stopped),
+        the running requests cannot go on: fail them and rebuild (True); else nothing was lost and
+        they carry on untouched (False)."""
         leaves = jax.tree.leaves(self.device) + jax.tree.leaves(self.prefix_cache and self.prefix_cache.pool)
         leaves += jax.tree.leaves(self.drafter and self.drafter.cache)
-        # None: a rebuild failed (`_fail_all`) in a call whose caller caught it (a group's `_begin`)
-        if self.device is None or any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
+        if self._rebuilding or any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves):
             log.error("device state lost in a failed call: failing the running requests")
             self._fail_all(exc)
             return True
@@ -1527,10 +1528,12 @@ class BatchEngine:
         """End every running and prefilling request with `exc`, on a new state (the failed call may
         have consumed the old one, which finishing a slot would write to)."""
         error = f"{type(exc).__name__}: {exc}"
+        self._rebuilding = True  # until the state and the pool are whole (`_recover_device_state`)
         self.device = None  # if the rebuild fails, finishing the requests writes to no state (`_finish`)
         self._init_device_state()
         if self.prefix_cache is not None:  # its pool may have gone with a failed copy
             self.prefix_cache.reset()
+        self._rebuilding = False
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 self._finish(i, "error", error=error)

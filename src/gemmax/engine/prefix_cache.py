@@ -193,7 +193,7 @@ class PrefixCache:
     def reset(self) -> None:
         """A new pool, every block forgotten (at start, and after a failed device call that may have
         consumed the pool); the compiled copy steps stay, and so do the counters, which /metrics
-        exports as Prometheus counters once the engine is ready (`BatchEngine.stats`; warm-up's
+        exports as Prometheus counters once warm-up succeeded (`BatchEngine.stats`; warm-up's
         `clear` zeroes its throwaway requests' counts before that): they never go down."""
         self.pool = None
         self.pool = init_cache(self.config, self.capacity, self.block, self.kv_dtype)
@@ -304,8 +304,8 @@ class PrefixCache:
                                                for i, k in enumerate(keys[:blocks])))
 
     def record(self, hit: PrefixHit, prompt_len: int) -> None:
-        """Count the lookup of a prompt whose prefill starts now with `hit` (the counters /metrics
-        exports: a hit or a miss, the prompt's tokens, the tokens its hit copies)."""
+        """Count the lookup of a prompt whose prefill starts now with `hit`, its blocks copied (the
+        counters /metrics exports: a hit or a miss, the prompt's tokens, the tokens its hit copied)."""
         self.queried_tokens += prompt_len
         self.hits += hit.blocks > 0
         self.misses += hit.blocks == 0
