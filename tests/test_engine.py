@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from arrival_watch import ArrivalWatch
+from engine_faults import consume_the_state_and_fail, fail_the_next_rebuild, fail_the_start_of
 from gemmax.engine import engine as engine_module
 from gemmax.engine.api import GenerationRequest, PromptTooLong, SamplingParams
 from gemmax.engine.degeneracy import check_degeneracy
@@ -465,9 +466,7 @@ def test_a_decode_step_that_consumed_the_state_and_failed_ends_the_running_reque
     original = engine._forward
 
     def consumed_then_failed(rows):
-        for leaf in jax.tree.leaves(engine.device):
-            leaf.delete()
-        raise RuntimeError("simulated fault after donation")
+        consume_the_state_and_fail(engine)
 
     running = engine.submit(GenerationRequest((7, 3, 4), 30, ignore_eos=True))
     next(iter(running))
@@ -489,19 +488,12 @@ def _ended(engine, handle, seconds: float = 120):
     return ended[0]
 
 
-def _consume_the_state_and_fail(engine):
-    """What a device call that failed after XLA consumed its donated state leaves behind."""
-    for leaf in jax.tree.leaves(engine.device):
-        leaf.delete()
-    raise RuntimeError("simulated fault after donation")
-
-
 def test_a_start_in_a_group_that_took_the_state_requeues_the_prompts_prefilled_after_it(engine, loaded, monkeypatch):
     """Two prompts prefilled in one forward; starting the first fails after the state went (a drafter's
     prefill can consume it). The first ends with the error, the engine builds a new state, and the
     second, whose KV went with the old cache, goes back to the queue, is prefilled again (alone now)
     and decodes exactly as `generate`: it neither starts on the new state without its KV nor fails."""
-    started = _fail_the_start_of(engine, monkeypatch, 94)
+    started = fail_the_start_of(engine, monkeypatch, lambda request: request.prompt_ids[0] == 94)
     with engine._lock:  # one admission, one batched group
         group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (94, 93)]
     failed, requeued = (_ended(engine, handle) for handle in group)
@@ -511,39 +503,14 @@ def test_a_start_in_a_group_that_took_the_state_requeues_the_prompts_prefilled_a
     assert list(requeued.token_ids) == _reference(loaded, (93, 5), 4) and engine.error is None
 
 
-def _fail_the_start_of(engine, monkeypatch, first_token: int) -> list[int]:
-    """Make starting a prompt that begins with `first_token` take the state and fail; returns the
-    prefill batch sizes of the starts that failed, as they happen."""
-    original, batches = engine._begin, []
-
-    def begin(slot_index, slot, *rest):
-        if slot.request.prompt_ids[0] == first_token:
-            batches.append(slot.prefill_batch)
-            _consume_the_state_and_fail(engine)
-        return original(slot_index, slot, *rest)
-
-    monkeypatch.setattr(engine, "_begin", begin)
-    return batches
-
-
-def _fail_the_next_rebuild(engine, monkeypatch) -> None:
-    original = engine._init_device_state
-
-    def init_once():
-        monkeypatch.setattr(engine, "_init_device_state", original)
-        raise RuntimeError("simulated rebuild failure")
-
-    monkeypatch.setattr(engine, "_init_device_state", init_once)
-
-
 def test_a_rebuild_that_fails_after_a_group_start_took_the_state_is_tried_again(engine, loaded, monkeypatch):
     """Starting a prompt of a batched group takes the state, and the rebuild that follows fails once,
     inside the group (its error reaches the admission's handler as the group's failure). The engine
     has no state then: it builds one again instead of leaving every later request to fail against
     none while it reports ready. Both prompts of the group end with the error; the next request is
     served exactly."""
-    started = _fail_the_start_of(engine, monkeypatch, 90)
-    _fail_the_next_rebuild(engine, monkeypatch)
+    started = fail_the_start_of(engine, monkeypatch, lambda request: request.prompt_ids[0] == 90)
+    fail_the_next_rebuild(engine, monkeypatch)
     with engine._lock:  # one admission, one batched group
         group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (90, 89)]
     results = [_ended(engine, handle) for handle in group]
@@ -564,11 +531,11 @@ def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_st
 
     def prefill(tokens, *args):
         if tokens[0, 0] == 92:
-            _consume_the_state_and_fail(engine)
+            consume_the_state_and_fail(engine)
         return original_prefill(tokens, *args)
 
     monkeypatch.setattr(engine, "_run_prefill", prefill)
-    _fail_the_next_rebuild(engine, monkeypatch)
+    fail_the_next_rebuild(engine, monkeypatch)
     with engine._lock:  # one admission takes both, the failing one first
         handles = [engine.submit(GenerationRequest(prompt, 4, ignore_eos=True)) for prompt in (doomed, later)]
     failed, dropped = (_ended(engine, handle) for handle in handles)

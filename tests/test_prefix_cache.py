@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import types
 
-import jax
 import numpy as np
 import pytest
 
+from engine_faults import consume_the_state_and_fail, fail_the_start_of
 from gemmax.engine.api import GenerationRequest, InvalidRequest
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.loading import load_model
@@ -240,9 +240,7 @@ def test_a_failure_that_rebuilds_the_state_requeues_the_prompts_admitted_with_it
     def consumed_then_failed(slot, handle, *rest):
         if handle.request is not doomed:
             return original(slot, handle, *rest)
-        for leaf in jax.tree.leaves(engine.device) + jax.tree.leaves(engine.prefix_cache.pool):
-            leaf.delete()
-        raise RuntimeError("simulated fault after donation")
+        consume_the_state_and_fail(engine, engine.prefix_cache.pool)
 
     monkeypatch.setattr(engine, "_prefill_into", consumed_then_failed)
     counters = ("hits", "misses", "cached_tokens", "queried_tokens")
@@ -288,30 +286,13 @@ def test_the_counters_are_shown_only_once_ready_so_no_scrape_sees_them_go_down(h
         eng.shutdown(drain_timeout=5)
 
 
-def _fail_the_start_of(engine, monkeypatch, doomed) -> list[int]:
-    """Make starting `doomed` take the state and fail (as a draft model's prefill that consumed it
-    would); returns the prefill batch size of each such start."""
-    original, batches = engine._begin, []
-
-    def begin(slot_index, slot, *rest):
-        if slot.request is doomed:
-            batches.append(slot.prefill_batch)
-            for leaf in jax.tree.leaves(engine.device):
-                leaf.delete()
-            raise RuntimeError("simulated fault after donation")
-        return original(slot_index, slot, *rest)
-
-    monkeypatch.setattr(engine, "_begin", begin)
-    return batches
-
-
 def test_a_prompt_put_back_from_a_group_is_counted_once(engine, monkeypatch):
     """Two prompts prefilled in one forward; starting the first takes the state, so the second goes
     back to the queue (its KV went with the state) and is prefilled again. Each lookup is counted
     once, as its prompt starts: two misses, not three."""
     rng = np.random.default_rng(29)
     doomed, other = _request(_tokens(rng, 6), 3, salt="once"), _request(_tokens(rng, 7), 3, salt="once")
-    batches = _fail_the_start_of(engine, monkeypatch, doomed)
+    batches = fail_the_start_of(engine, monkeypatch, lambda request: request is doomed)
     counters = ("hits", "misses", "cached_tokens", "queried_tokens")
     before = {key: engine.prefix_cache.stats()[key] for key in counters}
     with engine._lock:  # one admission, one batched group
@@ -331,7 +312,7 @@ def test_a_rebuild_that_stopped_before_its_pool_is_finished_by_the_next_recovery
     works as before."""
     rng = np.random.default_rng(31)
     doomed, other = _request(_tokens(rng, 6), 3), _request(_tokens(rng, 7), 3)
-    batches = _fail_the_start_of(engine, monkeypatch, doomed)
+    batches = fail_the_start_of(engine, monkeypatch, lambda request: request is doomed)
     cache = engine.prefix_cache
     reset = cache.reset
 
