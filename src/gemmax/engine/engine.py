@@ -303,7 +303,6 @@ class BatchEngine:
         self.compile_cache_dir = compile_cache_dir
         self.warmup_report: dict[str, Any] = {}
         self._ready = threading.Event()  # also set when warm-up failed (`wait_ready` raises then)
-        self._warmed_up = False  # set with `_ready` by a warm-up that succeeded: `stats` shows the prefix cache
         self._closing = False
         self._lock = threading.Condition()
         self._queue: collections.deque[tuple[RequestHandle, float]] = collections.deque()
@@ -418,7 +417,8 @@ class BatchEngine:
         throwaway requests count, then its `clear` zeroes them; a warm-up that failed never clears)."""
         with self._lock:
             running = sum(s is not None for s in self._slots) + len(self._prefilling)  # prefilling ones too
-            shown = self.prefix_cache is not None and self._warmed_up
+            # the report is written by a warm-up that succeeded, after its `clear`; a failed one writes none
+            shown = self.prefix_cache is not None and bool(self.warmup_report)
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
                                slots_total=self.max_batch, prefix_cache=self.prefix_cache.stats() if shown else None)
 
@@ -541,7 +541,6 @@ class BatchEngine:
                               **executables, "executables_never_run": self.steps.never_run()}
         log.info("warm-up: %d compiled shapes in %.2f s (%s)", shapes, seconds,
                  {**tracker.summary(), **executables})
-        self._warmed_up = True
         self._ready.set()
 
     def _warm_up_requests(self, maps: MapBudget) -> None:
@@ -576,7 +575,6 @@ class BatchEngine:
                               **executables, "executables_never_run": 0}
         log.info("warm-up skipped (--no-warm-up): ready in %.2f s; each of the %d declared shapes is compiled, or "
                  "loaded from the store, by the first request that needs it (uncompiled_shape)", seconds, declared)
-        self._warmed_up = True
         self._ready.set()
 
     def _declared_calls(self) -> list[tuple[str, tuple, dict[str, Any]]]:
