@@ -503,6 +503,26 @@ def test_a_start_in_a_group_that_took_the_state_requeues_the_prompts_prefilled_a
     assert list(requeued.token_ids) == _reference(loaded, (93, 5), 4) and engine.error is None
 
 
+def test_after_a_group_start_took_the_state_no_later_prompt_overtakes_the_requeued_ones(engine, loaded, monkeypatch):
+    """One admission takes a batched group of two and, after it, a prompt that prefills alone; starting
+    the group's first prompt takes the state. The group's second prompt goes back to the queue, and so
+    does the later prompt (this engine has no prefix cache, whose new pool would force it): the next
+    admission prefills them in arrival order, so the requeued prompt gets its first token first (before
+    2026-12-07 the later prompt was prefilled at once on the new state, ahead of it)."""
+    started = fail_the_start_of(engine, monkeypatch, lambda request: request.prompt_ids[0] == 88)
+    rng = np.random.default_rng(29)
+    later_prompt = (86, *(int(t) for t in rng.integers(3, 128, 19)))  # 20 tokens: prefilled alone
+    with engine._lock:  # one admission: the group of two, then the prompt alone
+        group = [engine.submit(GenerationRequest((first, 5), 4, ignore_eos=True)) for first in (88, 87)]
+        later = engine.submit(GenerationRequest(later_prompt, 4, ignore_eos=True))
+    failed, requeued, alone = (_ended(engine, handle) for handle in (*group, later))
+    assert started == [2] and failed.finish_reason == "error"
+    assert list(requeued.token_ids) == _reference(loaded, (87, 5), 4)
+    assert list(alone.token_ids) == _reference(loaded, later_prompt, 4) and engine.error is None
+    # submitted in this order within microseconds; each prefill takes milliseconds
+    assert requeued.timings.time_to_first_token_seconds < alone.timings.time_to_first_token_seconds
+
+
 def test_a_rebuild_that_fails_after_a_group_start_took_the_state_is_tried_again(engine, loaded, monkeypatch):
     """Starting a prompt of a batched group takes the state, and the rebuild that follows fails once,
     inside the group (its error reaches the admission's handler as the group's failure). The engine
@@ -544,6 +564,37 @@ def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_st
     monkeypatch.setattr(engine, "_run_prefill", original_prefill)
     ok = engine.submit(GenerationRequest(later, 4, ignore_eos=True)).wait()
     assert list(ok.token_ids) == _reference(loaded, later, 4) and engine.ready and engine.error is None
+
+
+def test_a_batched_group_counts_as_running_while_it_prefills_and_a_shutdown_drains_it(loaded, monkeypatch):
+    """A batched group's prompts are in no slot until their forward ends: they count as running during
+    it (/metrics, /health), and a shutdown that drains waits for them to finish instead of reading
+    nothing running and cancelling them (before 2026-12-07 they were neither running nor waiting)."""
+    # the module engine's shapes: nothing new compiles (the session's compile cache and store)
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3).start()
+    assert eng.wait_ready(300)
+    entered, release, original = threading.Event(), threading.Event(), eng._run_prefill_rows
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "_run_prefill_rows", held)
+    with eng._lock:  # one admission, one batched group
+        group = [eng.submit(GenerationRequest((first, 5), 12, ignore_eos=True)) for first in (85, 84)]
+    assert entered.wait(60)
+    stats = eng.stats()
+    assert (stats.running, stats.waiting, stats.slots_in_use) == (2, 0, 2)
+    closing = threading.Thread(target=eng.shutdown, kwargs={"drain_timeout": 120})
+    closing.start()
+    time.sleep(0.2)  # the drain reads the group as running meanwhile
+    release.set()
+    results = [_ended(eng, handle) for handle in group]
+    closing.join(130)
+    assert [r.finish_reason for r in results] == ["length", "length"]
+    assert [list(r.token_ids) for r in results] == [_reference(loaded, (first, 5), 12) for first in (85, 84)]
+    assert results[0].timings.prefill_batch == 2 and not eng.ready
 
 
 def test_shutdown_ends_every_queued_and_running_request(loaded):

@@ -309,6 +309,7 @@ class BatchEngine:
         self.admission = Admission(max_queue, max_batch)  # bounded wait queue (None: unbounded)
         self._slots: list[_Slot | None] = [None] * max_batch
         self._prefilling: dict[int, _Prefilling] = {}  # slot -> a prompt still prefilling into it (reserved)
+        self._admitting: list = []  # (slot, handle, submitted) an admission took from the queue: `_unplaced`
         # Bucket tokens of lone prefill chunks per loop iteration while others decode (at least one
         # chunk): a 521-token prompt (512 + 32 on CPU) still prefills at once, a 2,057-token one in 3 turns.
         self.prefill_token_budget = 2 * self.shapes.buckets[-1]
@@ -414,9 +415,13 @@ class BatchEngine:
     def stats(self) -> EngineStats:
         """What is running and waiting now; the prefix cache's figures only once warm-up is done
         (/metrics exports its counters as Prometheus counters, which must never go down: warm-up's
-        throwaway requests count, then its `clear` zeroes them; a warm-up that failed never clears)."""
+        throwaway requests count, then its `clear` zeroes them; a warm-up that failed never clears).
+        Running counts the prompts being prefilled too: alone (`_prefilling`), and those an admission
+        took and has not placed yet (a batched group during its whole forward), which `shutdown`'s
+        drain must wait for."""
         with self._lock:
-            running = sum(s is not None for s in self._slots) + len(self._prefilling)  # prefilling ones too
+            running = sum(s is not None for s in self._slots) + len(self._prefilling)
+            running += len(self._unplaced(self._admitting))
             # the report is written by a warm-up that succeeded, after its `clear`; a failed one writes none
             shown = self.prefix_cache is not None and bool(self.warmup_report)
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
@@ -993,20 +998,20 @@ class BatchEngine:
         Whole prompts that fit a batched prefill shape are prefilled several at once, one forward
         per group (`_prefill_group`); the others one at a time (`_prefill_into`), in arrival order.
         Every prompt is looked up in the prefix cache first, and its hit held until the end (`hold`):
-        an earlier prompt's store never evicts it. With the prefix cache on, a failure that rebuilds the
-        state (a new, empty pool) puts the prompts after it back at the head of the queue (`_requeue`);
-        without it, they are prefilled on the new state. The prompts of a batched group that were
-        prefilled but not started when the state went go back either way (their KV went with it; with
-        the prefix cache on, in arrival order with the later prompts). A fault that escapes the
-        handler (the rebuild itself failed) first ends, with that fault, the requests taken here and
-        not started: nothing else would (they are in no queue, slot or prefill), and their clients
-        would wait forever."""
+        an earlier prompt's store never evicts it. A failure that rebuilds the state ends the admission:
+        the prompts after it, and those of a batched group that were prefilled but not started when the
+        state went (their KV went with it), go back to the head of the queue in arrival order
+        (`_requeue`), so the next admission looks them up again (a new, empty pool) and none of them
+        overtakes an earlier one. A fault that escapes the handler (the rebuild itself failed) first
+        ends, with that fault, the requests taken here and not started: nothing else would (they are
+        in no queue, slot or prefill), and their clients would wait forever."""
         with self._lock:  # cancelled requests leave the queue at once, free slot or not
             cancelled = [entry for entry in self._queue if entry[0].cancelled]
             for entry in cancelled:
                 self._queue.remove(entry)
             free = self._free_slots()
             taken = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
+            self._admitting = taken
         for handle, submitted in cancelled:
             self._finish_unstarted(handle, submitted)
         try:
@@ -1024,17 +1029,16 @@ class BatchEngine:
                     rebuilt = self._recover_device_state(exc)
                     for slot, handle, submitted, *_ in entries:
                         self._fail_admission(slot, handle, submitted, exc)
-                if rebuilt:
-                    back = unstarted or []
-                    if self.prefix_cache is not None:  # a new, empty pool: the later hits are gone
-                        back += [entry for _, later in units[index + 1:] for entry in later]
+                if rebuilt:  # a new state (and pool): what this admission has not started goes back
+                    back = (unstarted or []) + [entry for _, later in units[index + 1:] for entry in later]
                     self._requeue(sorted(back, key=lambda entry: entry[2]))  # in arrival order
-                    if self.prefix_cache is not None:
-                        return
+                    return
         except BaseException as exc:  # a fault the handler above could not contain (a rebuild that failed)
             self._end_unstarted(taken, exc)
             raise
         finally:
+            with self._lock:
+                self._admitting = []
             if self.prefix_cache is not None:
                 self.prefix_cache.release()
 
@@ -1063,18 +1067,25 @@ class BatchEngine:
         units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
         return units
 
+    def _unplaced(self, taken: list) -> list:
+        """The entries of `taken` ((slot, handle, submitted)) whose requests an admission took from the
+        queue and that are nowhere yet: not ended, not back in the queue, not prefilling alone and not
+        decoding (a batched group's prompts until they start). Called with the lock held; the loop
+        thread changes the slots and prefills without it, so they are copied first."""
+        placed = {id(handle) for handle, _ in self._queue}
+        placed |= {id(slot.handle) for slot in list(self._slots) if slot is not None}
+        placed |= {id(entry.slot.handle) for entry in list(self._prefilling.values())}
+        return [entry for entry in taken if entry[1].result is None and id(entry[1]) not in placed]
+
     def _end_unstarted(self, taken: list, exc: BaseException) -> None:
-        """End with `exc` every request of `taken` ((slot, handle, submitted)) that an admission took
-        from the queue and left nowhere: not finished, not back in the queue, not prefilling and not
-        decoding. Those are the requests the loop's own handler and its final clean-up cannot see."""
+        """End with `exc` every request of `taken` that an admission took from the queue and left
+        nowhere (`_unplaced`): those are the requests the loop's own handler and its final clean-up
+        cannot see."""
         with self._lock:
-            queued = {id(handle) for handle, _ in self._queue}
-        placed = queued | {id(slot.handle) for slot in self._slots if slot is not None}
-        placed |= {id(entry.slot.handle) for entry in self._prefilling.values()}
+            unplaced = self._unplaced(taken)
         error = f"{type(exc).__name__}: {exc}"
-        for _, handle, submitted in taken:
-            if handle.result is None and id(handle) not in placed:
-                self._finish_unstarted(handle, submitted, "error", error)
+        for _, handle, submitted in unplaced:
+            self._finish_unstarted(handle, submitted, "error", error)
 
     def _requeue(self, entries: list) -> None:
         """Put admitted but unstarted requests back at the head of the queue, in their order: the next
