@@ -184,6 +184,18 @@ def test_health_models_and_precision(checkpoint, rig):
     assert bf16.precision()["weights"] == "bfloat16"  # read from the loaded tensors
 
 
+def test_auto_dtype_is_the_checkpoints_own(checkpoint, tmp_path):
+    """`--dtype auto` (what `rigs_run.py --dtype auto` gives every rig) loads a checkpoint as it is
+    stored, as vLLM's auto does: float32 here, bfloat16 for a copy saved in bfloat16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, _ = checkpoint
+    AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    for path, stored in ((directory, "float32"), (tmp_path, "bfloat16")):
+        assert HFGenerator(path, dtype="auto").precision() == dict.fromkeys(("weights", "activations", "kv_cache"), stored)
+
+
 def test_bench_times_the_rig_with_token_id_prompts(rig):
     _, url = rig
     config = SweepConfig(base_url=url, input_lens=(9, 30), output_len=6, repeats=2, concurrency=(1, 2))

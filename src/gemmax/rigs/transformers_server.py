@@ -40,7 +40,7 @@ from gemmax.server.protocol import (
     error_body,
 )
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: the checkpoint's own (transformers' and vLLM's meaning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,9 @@ class HFGenerator:
             torch.set_num_threads(threads)
         self.torch = torch
         self.model_dir = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).eval()
-        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype="auto" if dtype == "auto" else getattr(torch, dtype)).eval()
+        self.dtype = str(self.model.dtype).removeprefix("torch.")  # what it computes in (auto: as stored)
         self.tokenizer = self._load_tokenizer()
         text_config = self.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
