@@ -185,15 +185,16 @@ def test_health_models_and_precision(checkpoint, rig):
 
 
 def test_auto_dtype_is_the_checkpoints_own(checkpoint, tmp_path):
-    """`--dtype auto` (what `rigs_run.py --dtype auto` gives every rig) loads a checkpoint as it is
-    stored, as vLLM's auto does: float32 here, bfloat16 for a copy saved in bfloat16."""
+    """`--dtype auto` (what `rigs_run.py --dtype auto` gives every rig) keeps a checkpoint stored in 16
+    bits as it is (a float16 copy here) and computes a float32 one in the device policy's dtype
+    (bfloat16 on CPU), as vLLM's auto does."""
     import torch
     from transformers import AutoModelForCausalLM
 
     directory, _ = checkpoint
-    AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    for path, stored in ((directory, "float32"), (tmp_path, "bfloat16")):
-        assert HFGenerator(path, dtype="auto").precision() == dict.fromkeys(("weights", "activations", "kv_cache"), stored)
+    AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16).save_pretrained(tmp_path)
+    for path, used in ((directory, "bfloat16"), (tmp_path, "float16")):
+        assert HFGenerator(path, dtype="auto").precision() == dict.fromkeys(("weights", "activations", "kv_cache"), used)
 
 
 def test_bench_times_the_rig_with_token_id_prompts(rig):

@@ -40,7 +40,7 @@ from gemmax.server.protocol import (
     error_body,
 )
 
-DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: the checkpoint's own (transformers' and vLLM's meaning)
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: `auto_dtype`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,19 @@ class TokenEvent:
     t_token: float  # perf_counter when this token was sampled
 
 
+def auto_dtype(model_dir: str | Path) -> str:
+    """`--dtype auto`: the checkpoint's dtype when it is stored in 16 bits, else the 16-bit dtype of
+    gemmax's device policy (`vllm_dtype`: float16 on a GPU below SM 8.0, else bfloat16), which is what
+    vLLM's auto computes a float32 checkpoint in here (the built-in model's directory is float32): each
+    rig at its default precision, and the reference not in float32 beside two 16-bit runtimes."""
+    from transformers import AutoConfig
+
+    from gemmax.rigs.vllm import vllm_dtype
+
+    stored = str(getattr(AutoConfig.from_pretrained(model_dir), "dtype", None) or "").removeprefix("torch.")
+    return stored if stored in ("bfloat16", "float16") else vllm_dtype()
+
+
 class HFGenerator:
     """A transformers causal LM plus its tokenizer (if any), generating on one worker thread."""
 
@@ -75,9 +88,10 @@ class HFGenerator:
             torch.set_num_threads(threads)
         self.torch = torch
         self.model_dir = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype="auto" if dtype == "auto" else getattr(torch, dtype)).eval()
-        self.dtype = str(self.model.dtype).removeprefix("torch.")  # what it computes in (auto: as stored)
+        if dtype == "auto":
+            dtype = auto_dtype(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).eval()
+        self.dtype = dtype
         self.tokenizer = self._load_tokenizer()
         text_config = self.model.config.get_text_config()
         self.vocab_size = int(text_config.vocab_size)
