@@ -186,8 +186,8 @@ def test_health_models_and_precision(checkpoint, rig):
 
 def test_auto_dtype_is_the_checkpoints_own(checkpoint, tmp_path):
     """`--dtype auto` (what `rigs_run.py --dtype auto` gives every rig) keeps a checkpoint stored in 16
-    bits as it is (a float16 copy here) and computes a float32 one in the device policy's dtype
-    (bfloat16 on CPU), as vLLM's auto does."""
+    bits as it is (a float16 copy here) and computes a float32 one in bfloat16, as vLLM's auto does on
+    this CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -309,7 +309,8 @@ class BatchEngine:
         self.admission = Admission(max_queue, max_batch)  # bounded wait queue (None: unbounded)
         self._slots: list[_Slot | None] = [None] * max_batch
         self._prefilling: dict[int, _Prefilling] = {}  # slot -> a prompt still prefilling into it (reserved)
-        self._admitting: list = []  # (slot, handle, submitted) an admission took from the queue: `_unplaced`
+        # (slot, handle, submitted) of the requests the running admission took from the queue: `_unplaced`
+        self._admitting: list[tuple[int, RequestHandle, float]] = []
         # Bucket tokens of lone prefill chunks per loop iteration while others decode (at least one
         # chunk): a 521-token prompt (512 + 32 on CPU) still prefills at once, a 2,057-token one in 3 turns.
         self.prefill_token_budget = 2 * self.shapes.buckets[-1]
@@ -420,8 +421,8 @@ class BatchEngine:
         took and has not placed yet (a batched group during its whole forward), which `shutdown`'s
         drain must wait for."""
         with self._lock:
-            running = sum(s is not None for s in self._slots) + len(self._prefilling)
-            running += len(self._unplaced(self._admitting))
+            placed = self._placed()
+            running = len(placed) + len(self._unplaced(self._admitting, placed))
             # the report is written by a warm-up that succeeded, after its `clear`; a failed one writes none
             shown = self.prefix_cache is not None and bool(self.warmup_report)
             return EngineStats(running=running, waiting=len(self._queue), slots_in_use=running,
@@ -966,9 +967,10 @@ class BatchEngine:
                 self._queue.clear()
             for handle, submitted in queued:
                 self._finish_unstarted(handle, submitted)
-            for entry in self._prefilling.values():
-                self._finish_unstarted(entry.slot.handle, entry.slot.submitted,
-                                       "cancelled" if self.error is None else "error")
+            for slot_index, entry in self._prefilling.items():
+                if self._slots[slot_index] is not entry.slot:  # one that `_begin` placed ends in its slot below
+                    self._finish_unstarted(entry.slot.handle, entry.slot.submitted,
+                                           "cancelled" if self.error is None else "error")
             self._prefilling.clear()
             for i, slot in enumerate(self._slots):
                 if slot is not None:
@@ -1067,14 +1069,21 @@ class BatchEngine:
         units.sort(key=lambda unit: unit[1][0][2])  # by first arrival
         return units
 
-    def _unplaced(self, taken: list) -> list:
+    def _placed(self) -> set[int]:
+        """ids of the handles prefilling alone or decoding. The loop thread changes both without the
+        lock, so each is copied once, the prefills first: a prompt enters its slot (`_begin`) before it
+        leaves `_prefilling` (`_prefill_chunks`), so one that moves between the copies is in one."""
+        prefilling = [entry.slot.handle for entry in list(self._prefilling.values())]
+        decoding = [slot.handle for slot in list(self._slots) if slot is not None]
+        return {id(handle) for handle in (*prefilling, *decoding)}
+
+    def _unplaced(self, taken: list, placed: set[int] | None = None) -> list:
         """The entries of `taken` ((slot, handle, submitted)) whose requests an admission took from the
-        queue and that are nowhere yet: not ended, not back in the queue, not prefilling alone and not
-        decoding (a batched group's prompts until they start). Called with the lock held; the loop
-        thread changes the slots and prefills without it, so they are copied first."""
-        placed = {id(handle) for handle, _ in self._queue}
-        placed |= {id(slot.handle) for slot in list(self._slots) if slot is not None}
-        placed |= {id(entry.slot.handle) for entry in list(self._prefilling.values())}
+        queue and that are nowhere yet: not ended, not back in the queue, and not in `placed` (default
+        `_placed()`): a batched group's prompts until they start. Called with the lock held."""
+        if not taken:
+            return []
+        placed = (self._placed() if placed is None else placed) | {id(handle) for handle, _ in self._queue}
         return [entry for entry in taken if entry[1].result is None and id(entry[1]) not in placed]
 
     def _end_unstarted(self, taken: list, exc: BaseException) -> None:
@@ -1274,9 +1283,9 @@ class BatchEngine:
             self._budget_left -= bucket
             if not last and self._decoding() and self._budget_left < entry.chunks[entry.next][1]:
                 return
-        del self._prefilling[slot_index]
-        ids, lps, top_ids, top_lps = jax.device_get(entry.out)
+        ids, lps, top_ids, top_lps = jax.device_get(entry.out)  # waits for the chunks: still prefilling
         self._begin(slot_index, slot, ids[0], lps[0], top_ids[0], top_lps[0])
+        self._prefilling.pop(slot_index, None)  # after its slot holds it (`_placed`); a failure ended it
 
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
@@ -1547,7 +1556,8 @@ class BatchEngine:
             if slot is not None:
                 self._finish(i, "error", error=error)
         for entry in self._prefilling.values():  # their cache rows go with the state
-            self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
+            if entry.slot.handle.result is None:  # not one whose `_begin` failed after its slot held it
+                self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
         self._prefilling.clear()
 
 

@@ -28,7 +28,7 @@ def transformers(
     model: str = typer.Option(..., help="HF checkpoint directory (or hub id when online)"),
     port: int = typer.Option(8001),
     host: str = typer.Option("127.0.0.1"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32 | float16 | auto (the checkpoint's if 16-bit, else the device policy's)"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32 | float16 | auto (the checkpoint's if 16-bit, else bfloat16)"),
     max_model_len: int = typer.Option(None, help="default: the config's max_position_embeddings"),
     threads: int = typer.Option(None, help="torch intra-op threads (default: torch's choice)"),
     served_model_name: str = typer.Option(None, help="name in /v1/models (default: --model)"),

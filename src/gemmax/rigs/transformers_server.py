@@ -62,16 +62,14 @@ class TokenEvent:
 
 
 def auto_dtype(model_dir: str | Path) -> str:
-    """`--dtype auto`: the checkpoint's dtype when it is stored in 16 bits, else the 16-bit dtype of
-    gemmax's device policy (`vllm_dtype`: float16 on a GPU below SM 8.0, else bfloat16), which is what
-    vLLM's auto computes a float32 checkpoint in here (the built-in model's directory is float32): each
-    rig at its default precision, and the reference not in float32 beside two 16-bit runtimes."""
+    """`--dtype auto`: the checkpoint's dtype when it is stored in 16 bits, else bfloat16, the weight
+    dtype of gemmax's CPU policy (this rig computes on the CPU), which is also what vLLM's auto computes
+    a float32 checkpoint in on this CPU (the built-in model's directory is float32): each rig at its
+    default precision, not the reference in float32 beside two 16-bit runtimes."""
     from transformers import AutoConfig
 
-    from gemmax.rigs.vllm import vllm_dtype
-
     stored = str(getattr(AutoConfig.from_pretrained(model_dir), "dtype", None) or "").removeprefix("torch.")
-    return stored if stored in ("bfloat16", "float16") else vllm_dtype()
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
 class HFGenerator:
