@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -605,6 +606,28 @@ def test_a_batched_group_counts_as_running_while_it_prefills_and_a_shutdown_drai
     assert [r.finish_reason for r in results] == ["length", "length"]
     assert [list(r.token_ids) for r in results] == [_reference(loaded, (first, 5), 12) for first in (85, 84)]
     assert results[0].timings.prefill_batch == 2 and not eng.ready
+
+
+def test_the_first_request_after_ready_traces_and_compiles_nothing(loaded, caplog):
+    """Warm-up leaves a fresh state, committed to the device as every step's output is: before
+    2026-12-07 it was not, and the first request's `set_sampling_row` (run before any step) traced and
+    loaded a second program (uncommitted arguments are another cache key): 100-150 ms of its TTFT on
+    the built-in model. Nothing is traced or compiled for it now."""
+    # the module engine's shapes: nothing new compiles (the session's compile cache and store)
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3).start()
+    try:
+        assert eng.wait_ready(300)
+        jax.config.update("jax_log_compiles", True)  # global: the engine thread compiles, not this one
+        try:
+            with caplog.at_level(logging.WARNING):
+                result = eng.submit(GenerationRequest((83, 5, 6), 4, ignore_eos=True)).wait()
+        finally:
+            jax.config.update("jax_log_compiles", False)
+        compiled = [r.getMessage()[:80] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+        assert compiled == [] and result.finish_reason == "length"
+        assert list(result.token_ids) == _reference(loaded, (83, 5, 6), 4)
+    finally:
+        eng.shutdown(5)
 
 
 def test_shutdown_ends_every_queued_and_running_request(loaded):

@@ -486,8 +486,13 @@ class BatchEngine:
     def _init_device_state(self) -> None:
         slack = (self.ring_slack,) if self.ring_slack else ()  # the mesh's init takes none (no speculation there)
         hidden = {"hidden": True} if self.mtp is not None else {}  # the assistant reads it; else none is kept
-        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
-                                                   *slack, **hidden)
+        state = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
+                                             *slack, **hidden)
+        if self.mesh is None:  # committed where it lies (no copy), as every step's output is: an uncommitted
+            # state is another cache key for the jitted helpers, so after warm-up's fresh state the first
+            # request's `set_sampling_row` (before any step ran) traced and loaded a second program
+            state = jax.tree.map(lambda array: jax.device_put(array, array.sharding, may_alias=True), state)
+        self.device = state
         self.want_logprobs[:] = False
         if self.drafter is not None:
             self.drafter.reset()
