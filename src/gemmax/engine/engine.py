@@ -972,10 +972,9 @@ class BatchEngine:
                 self._queue.clear()
             for handle, submitted in queued:
                 self._finish_unstarted(handle, submitted)
-            for slot_index, entry in self._prefilling.items():
-                if self._slots[slot_index] is not entry.slot:  # one that `_begin` placed ends in its slot below
-                    self._finish_unstarted(entry.slot.handle, entry.slot.submitted,
-                                           "cancelled" if self.error is None else "error")
+            for entry in self._prefilling.values():
+                self._finish_unstarted(entry.slot.handle, entry.slot.submitted,
+                                       "cancelled" if self.error is None else "error")
             self._prefilling.clear()
             for i, slot in enumerate(self._slots):
                 if slot is not None:
@@ -1076,8 +1075,8 @@ class BatchEngine:
 
     def _placed(self) -> set[int]:
         """ids of the handles prefilling alone or decoding. The loop thread changes both without the
-        lock, so each is copied once, the prefills first: a prompt enters its slot (`_begin`) before it
-        leaves `_prefilling` (`_prefill_chunks`), so one that moves between the copies is in one."""
+        lock, so each is copied once, the prefills first: `_begin` puts a prompt in its slot before it
+        takes it out of `_prefilling`, so one that moves between the copies is in one."""
         prefilling = [entry.slot.handle for entry in list(self._prefilling.values())]
         decoding = [slot.handle for slot in list(self._slots) if slot is not None]
         return {id(handle) for handle in (*prefilling, *decoding)}
@@ -1165,6 +1164,7 @@ class BatchEngine:
         now = time.perf_counter()
         slot.prefill_seconds = now - slot.admitted
         self._slots[slot_index] = slot
+        self._prefilling.pop(slot_index, None)  # a lone prompt leaves its prefill once its slot holds it (`_placed`)
         self.want_logprobs[slot_index] = request.logprobs is not None
         self._set_slot(slot_index, token=int(token), position=len(request.prompt_ids), remaining=0)
         if self._accept(slot_index, int(token), float(lp), top_ids, top_lp, now):
@@ -1290,7 +1290,6 @@ class BatchEngine:
                 return
         ids, lps, top_ids, top_lps = jax.device_get(entry.out)  # waits for the chunks: still prefilling
         self._begin(slot_index, slot, ids[0], lps[0], top_ids[0], top_lps[0])
-        self._prefilling.pop(slot_index, None)  # after its slot holds it (`_placed`); a failure ended it
 
     def _plan_prefill(self, slot_index: int, slot: _Slot, prompt: list[int], hit) -> list[tuple[int, int]]:
         """The chunks that prefill `prompt` into slot `slot_index`. With prefix caching the longest
@@ -1561,8 +1560,7 @@ class BatchEngine:
             if slot is not None:
                 self._finish(i, "error", error=error)
         for entry in self._prefilling.values():  # their cache rows go with the state
-            if entry.slot.handle.result is None:  # not one whose `_begin` failed after its slot held it
-                self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
+            self._finish_unstarted(entry.slot.handle, entry.slot.submitted, "error", error)
         self._prefilling.clear()
 
 
