@@ -124,7 +124,7 @@ from gemmax.engine.steps import (
     DeviceState,
     decode_forward,
     draw,
-    init_device_state,
+    init_committed_state,
     prefill_rows,
     prefill_step,
     set_sampling_row,
@@ -277,7 +277,7 @@ class BatchEngine:
         # (`mesh`: a gemmax.engine.mesh.MeshSpec; its slots split over dp, weights as the rules say).
         self.steps = types.SimpleNamespace(prefill_step=prefill_step, prefill_rows=prefill_rows, draw=draw,
                                            decode_forward=decode_forward, verify_rows=verify_rows,
-                                           init_device_state=init_device_state)
+                                           init_device_state=init_committed_state)
         self.mesh = None
         if mesh is not None:
             check_mesh(mesh, self.config, max_batch)
@@ -486,13 +486,8 @@ class BatchEngine:
     def _init_device_state(self) -> None:
         slack = (self.ring_slack,) if self.ring_slack else ()  # the mesh's init takes none (no speculation there)
         hidden = {"hidden": True} if self.mtp is not None else {}  # the assistant reads it; else none is kept
-        state = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
-                                             *slack, **hidden)
-        if self.mesh is None:  # committed where it lies (no copy), as every step's output is: an uncommitted
-            # state is another cache key for the jitted helpers, so after warm-up's fresh state the first
-            # request's `set_sampling_row` (before any step ran) traced and loaded a second program
-            state = jax.tree.map(lambda array: jax.device_put(array, array.sharding, may_alias=True), state)
-        self.device = state
+        self.device = self.steps.init_device_state(self.config, self.max_batch, self.max_model_len, self.precision,
+                                                   *slack, **hidden)
         self.want_logprobs[:] = False
         if self.drafter is not None:
             self.drafter.reset()

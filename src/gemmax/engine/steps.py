@@ -91,6 +91,15 @@ def init_device_state(config: ModelConfig, slots: int, max_len: int, precision: 
                        hidden=jnp.zeros((slots, config.hidden_size), precision.activation) if hidden else None)
 
 
+def init_committed_state(*args, **kwargs) -> DeviceState:
+    """`init_device_state` committed to the device where it lies (no copy), as every step's output is,
+    and as a mesh's jitted init returns it (gemmax.engine.mesh): an uncommitted state is another cache
+    key for the engine's jitted helpers, so after warm-up's fresh state the first request's
+    `set_sampling_row` (run before any step) traced and loaded a second program."""
+    state = init_device_state(*args, **kwargs)
+    return jax.tree.map(lambda array: jax.device_put(array, array.sharding, may_alias=True), state)
+
+
 def _keep_hidden(old: jax.Array | None, new: jax.Array | None, rows_taking: jax.Array) -> jax.Array | None:
     """The hidden state [B, H] with `new` in the rows `rows_taking` [B] bool (None: none is kept)."""
     if old is None:
