@@ -23,6 +23,7 @@ from pathlib import Path
 
 import anyio
 import httpx
+import psutil
 import pytest
 from mcp import Client, StdioServerParameters
 
@@ -260,6 +261,30 @@ async def test_transformers_rig_start_query_stop(state, checkpoint):
         # gone from the registry (the module's gemmax deployment may still be listed: under `pytest -n`
         # without loadfile this test can run while it lives)
         assert name not in deployment_names(ok(await client.call_tool("list_deployments", {})))
+
+
+def test_a_child_that_exits_just_after_a_wait_timed_out_keeps_its_exit_status(monkeypatch):
+    """The race behind a stop that returned exit_code None: the deployment exited between a wait that
+    timed out and the zombie check; it must be reaped with its status, not counted as another's zombie."""
+    from gemmax.mcp import deployments
+
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc = psutil.Process(child.pid)
+    deadline = time.monotonic() + 30
+    while proc.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.status() == psutil.STATUS_ZOMBIE
+    real_wait_procs = psutil.wait_procs
+    waits: list[float | None] = []
+
+    def first_wait_times_out(procs, timeout=None):
+        waits.append(timeout)
+        return ([], list(procs)) if len(waits) == 1 else real_wait_procs(procs, timeout=timeout)
+
+    monkeypatch.setattr(psutil, "wait_procs", first_wait_times_out)
+    exited, alive = deployments._wait_exited([proc], 5.0)
+    assert (exited, alive) == ([proc], [])
+    assert exited[0].returncode == 3
 
 
 async def test_verify_device_and_fit_check(state, checkpoint):

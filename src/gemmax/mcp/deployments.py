@@ -173,7 +173,10 @@ def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> tuple[list[ps
         gone, alive = psutil.wait_procs(alive, timeout=min(0.25, max(deadline - time.monotonic(), 0.0)))
         exited += gone
         zombies = [p for p in alive if _is_zombie(p)]
-        exited += zombies
+        # one that exited after the wait timed out: a child of ours is reaped now, keeping its status;
+        # another's zombie only that parent can reap
+        reaped, others = psutil.wait_procs(zombies, timeout=0)
+        exited += reaped + others
         alive = [p for p in alive if p not in zombies]
         if time.monotonic() >= deadline:
             break
