@@ -608,6 +608,42 @@ def test_a_batched_group_counts_as_running_while_it_prefills_and_a_shutdown_drai
     assert results[0].timings.prefill_batch == 2 and not eng.ready
 
 
+def test_a_shutdown_past_its_drain_cancels_a_group_still_in_its_forward(loaded, monkeypatch):
+    """After its drain timeout a shutdown cancels what still runs, a batched group in its forward
+    too: the group ends cancelled with at most its first token, no decode step after the drain.
+    Before 2026-12-07 only queued and slotted requests were cancelled: the group decoded on until the
+    loop's clean-up ended it."""
+    # the module engine's shapes: nothing new compiles (the session's compile cache and store)
+    eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3).start()
+    assert eng.wait_ready(300)
+    entered, release, original = threading.Event(), threading.Event(), eng._run_prefill_rows
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(eng, "_run_prefill_rows", held)
+    closing = threading.Thread(target=eng.shutdown, kwargs={"drain_timeout": 0.2})
+    try:
+        with eng._lock:  # one admission, one batched group
+            group = [eng.submit(GenerationRequest((first, 5), 12, ignore_eos=True)) for first in (85, 84)]
+        assert entered.wait(60)
+        closing.start()
+        deadline = time.monotonic() + 10
+        while not all(handle.cancelled for handle in group) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(handle.cancelled for handle in group)  # by the shutdown, while the forward is held
+    finally:
+        release.set()
+        if not closing.is_alive():  # a failure above: stop the engine anyway
+            eng.shutdown(5)
+    results = [_ended(eng, handle) for handle in group]
+    closing.join(30)
+    assert [r.finish_reason for r in results] == ["cancelled", "cancelled"]
+    assert all(len(r.token_ids) <= 1 for r in results) and not eng.ready
+
+
 def test_the_first_request_after_ready_traces_and_compiles_nothing(loaded, caplog):
     """Warm-up leaves a fresh state, committed to the device as every step's output is: before
     2026-12-07 it was not, and the first request's `set_sampling_row` (run before any step) traced and

@@ -419,7 +419,11 @@ def test_cache_import_never_writes_through_a_symlink(tmp_path):
     assert victim.read_text() == "precious" and (target / "authorized_keys").read_bytes() == b"compiled"
 
 
-async def test_streamable_http_transport(state):
+async def test_streamable_http_transport(state, checkpoint):
+    # a record in the shared registry: a deployment started without waiting, then killed (dead, listed)
+    started = ok(await call("start_deployment", rig="gemmax", model=str(checkpoint), port=free_port(),
+                            options={"wait": False, "name": "seen-over-http"}))
+    os.kill(started["deployment"]["pid"], signal.SIGKILL)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "mcp", "--transport", "http", "--port", str(port)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -433,9 +437,11 @@ async def test_streamable_http_transport(state):
             await anyio.sleep(0.2)
         async with Client(f"http://127.0.0.1:{port}/mcp") as client:
             assert {t.name for t in (await client.list_tools()).tools} == TOOLS
-            # the registry the in-process server reads (this worker's; whatever it holds now)
+            # the registry the in-process server reads, both ways
             listed = deployment_names(ok(await client.call_tool("list_deployments", {})))
-            assert listed == deployment_names(ok(await call("list_deployments")))
+            assert "seen-over-http" in listed and listed == deployment_names(ok(await call("list_deployments")))
+            ok(await client.call_tool("stop_deployment", {"name": "seen-over-http"}))
+            assert "seen-over-http" not in deployment_names(ok(await call("list_deployments")))
     finally:
         proc.terminate()
         proc.wait(30)

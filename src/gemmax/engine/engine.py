@@ -442,6 +442,8 @@ class BatchEngine:
             for slot in [*self._slots, *(entry.slot for entry in list(self._prefilling.values()))]:
                 if slot is not None:
                     slot.handle.cancel()
+            for _, handle, _ in self._unplaced(self._admitting):  # a batched group in its forward
+                handle.cancel()
             self._stop = True
             self._lock.notify()
         if self._thread is not None:
