@@ -1,15 +1,18 @@
 """The CPU's matrix-product rate by operand dtype: is int8 x int8 (W8A8) a lever for prefill here?
 
 A prefill chunk already runs its bf16 GEMMs near this CPU's measured peak (`gemmax profile --prefill`),
-so only cheaper arithmetic would shorten it. AVX-512 VNNI multiplies int8 pairs at twice the bf16 rate
-in hardware; whether XLA:CPU's int8 dot (`preferred_element_type=int32`) reaches that is what this
-measures, at the built-in model's (Gemma 3 270M) shapes: a 512-token chunk's projections (640 -> 1024,
-640 -> 2048, 2048 -> 640), and the same and the LM head (640 -> 262,144) at 8 rows, a batch-8 decode
-step's. Per shape, bfloat16
-x bfloat16 -> float32 and int8 x int8 -> int32, as one jitted product each in two orientations: the
-activation on the left (`x @ W`, W [K, N]) and the weight on the left (`W @ x.T`, W [N, K], the form
-gemmax's linear layers use from 8 rows on CPU: README, "32-row products with the weight on the
-left"); the rounds interleaved; median ms over the rounds and the rate (2 M K N operations per call).
+so only cheaper arithmetic would shorten it. AVX-512 VNNI multiplies bytes (unsigned by signed) at
+twice the bf16 rate in hardware; whether XLA:CPU's int8 dot (`preferred_element_type=int32`) gets
+there is what this measures, at the built-in model's (Gemma 3 270M) shapes: a 512-token chunk's
+projections (640 -> 1024, 640 -> 2048, 2048 -> 640), and the same and the LM head (640 -> 262,144)
+at 8 rows, a batch-8 decode step's. Per shape, bfloat16 x bfloat16 -> float32 and int8 x int8 ->
+int32, one jitted product each, in two orientations: the activation on the left (`x @ W`, W [K, N])
+and the weight on the left (`W @ x.T`, W [N, K], the form gemmax's linear layers use from 8 rows on
+CPU: README, "32-row products with the weight on the left"). Each call is waited for on its own, so
+an 8-row product's time includes one dispatch (tens of microseconds), which pulls its ratios toward
+1; the same matrix is read by every call, so it may stay in cache where a decode step reads it from
+memory. Rounds interleave the cases; median ms over the calls of every round, and the rate (2 M K N
+operations per call).
 
     python benchmarks/gemm_dtypes.py [--rounds 7] [--calls 5]
 
@@ -56,7 +59,7 @@ def operand(shape: tuple[int, int], dtype, rng: np.random.Generator) -> jax.Arra
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=5, help="calls timed together in a round")
+    parser.add_argument("--calls", type=int, default=5, help="calls timed in a round, each on its own")
     args = parser.parse_args()
 
     from rich.console import Console
@@ -67,20 +70,19 @@ def main() -> None:
     for shape_name, (M, K, N) in SHAPES.items():
         for dtype_name, (dtype, accumulate) in DTYPES.items():
             for form, (weight_shape, product) in ORIENTATIONS.items():
-                f = jax.jit(lambda x, w, product=product, acc=accumulate: product(x, w, acc))
+                jitted_product = jax.jit(lambda x, w, product=product, acc=accumulate: product(x, w, acc))
                 x, w = operand((M, K), dtype, rng), operand(weight_shape(K, N), dtype, rng)
-                f(x, w).block_until_ready()  # compile and first run
-                cases[shape_name, dtype_name, form] = (f, x, w)
+                jitted_product(x, w).block_until_ready()  # compile and first run
+                cases[shape_name, dtype_name, form] = (jitted_product, x, w)
     times: dict[tuple[str, str, str], list[float]] = {key: [] for key in cases}
     for _ in range(args.rounds):
-        for key, (f, a, b) in cases.items():
-            t0 = time.perf_counter()
+        for key, (jitted_product, x, w) in cases.items():
             for _ in range(args.calls):
-                out = f(a, b)
-            out.block_until_ready()
-            times[key].append((time.perf_counter() - t0) / args.calls)
+                t0 = time.perf_counter()
+                jitted_product(x, w).block_until_ready()
+                times[key].append(time.perf_counter() - t0)
 
-    table = Table(title=f"GEMM by operand dtype, {jax.devices()[0].device_kind}, median of {args.rounds} rounds")
+    table = Table(title=f"GEMM by operand dtype, {jax.devices()[0].device_kind}, median of {args.rounds} rounds x {args.calls} calls")
     for column in ("shape (M rows, K -> N)", "dtype", "form", "ms", "G op/s", "vs best bfloat16"):
         table.add_column(column, justify="right")
     results = []

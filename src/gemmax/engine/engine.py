@@ -442,7 +442,9 @@ class BatchEngine:
             for slot in [*self._slots, *(entry.slot for entry in list(self._prefilling.values()))]:
                 if slot is not None:
                     slot.handle.cancel()
-            for _, handle, _ in self._unplaced(self._admitting):  # a batched group in its forward
+            # what the running admission took (a batched group in its forward, the prompts after it);
+            # cancel is idempotent, so those it already placed or put back may be cancelled twice
+            for _, handle, _ in self._admitting:
                 handle.cancel()
             self._stop = True
             self._lock.notify()
