@@ -288,6 +288,27 @@ def test_a_child_that_exits_just_after_a_wait_timed_out_keeps_its_exit_status(mo
     assert getattr(exited[0], "returncode", None) == 3  # set only where psutil reaped it
 
 
+async def test_stop_keeps_the_exit_status_when_a_status_reaped_the_deployment_first(state, checkpoint,
+                                                                                     monkeypatch):
+    """The other way a stop lost the status: a concurrent `deployment_status` of the same server polls
+    the deployment's Popen, which reaps it once the SIGTERM ended it, before psutil's wait does; psutil
+    then reads no status, and the stop must take the Popen's."""
+    started = ok(await call("start_deployment", rig="gemmax", model=str(checkpoint), port=free_port(),
+                            options={"wait": False, "name": "reaped-first"}))
+    registry = ops.deployments()
+    with registry._lock:
+        child = registry._children[started["deployment"]["pid"]]
+    real_wait_procs = psutil.wait_procs
+
+    def popen_reaps_first(procs, timeout=None):
+        child.wait(30)  # as the concurrent status's poll would, once the process ended
+        return real_wait_procs(procs, timeout=timeout)
+
+    monkeypatch.setattr(psutil, "wait_procs", popen_reaps_first)
+    stopped = ok(await call("stop_deployment", name="reaped-first"))
+    assert stopped["how"] == "sigterm" and stopped["exit_code"] in (0, -signal.SIGTERM)
+
+
 async def test_verify_device_and_fit_check(state, checkpoint):
     from gemmax.engine.memory import GiB, plan_memory
     from gemmax.engine.policy import DTYPES, device_policy

@@ -338,6 +338,8 @@ class Deployments:
         state = self._status(record).state
         t0 = time.monotonic()
         how: Literal["sigterm", "sigkill", "already dead"] = "already dead"
+        with self._lock:
+            child = self._children.get(record.pid)  # its Popen, when this process started it
         exit_code = self._exit_code(record)
         proc = self._process(record)
         if proc is not None:
@@ -356,6 +358,11 @@ class Deployments:
                         p.kill()
                 gone += _wait_exited(alive, 10.0)[0]
             exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
+            if exit_code is None and child is not None:
+                # a concurrent status of this server (`_process`) polled the Popen and reaped it first,
+                # so psutil read no status: the Popen kept it (read, not polled: a poll after psutil
+                # reaped it would read 0)
+                exit_code = child.returncode
         with self._lock:
             self._children.pop(record.pid, None)
             self._keys.pop(name, None)
