@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -573,10 +574,13 @@ def test_a_rebuild_that_fails_during_an_admission_ends_the_prompts_it_had_not_st
     assert list(ok.token_ids) == _reference(loaded, later, 4) and engine.ready and engine.error is None
 
 
-def _a_group_held_in_its_forward(loaded, monkeypatch):
-    """An engine whose batched prefill waits in its forward until `release` is set, and a group of two
-    prompts (one admission) in it -> (engine, the group's handles, release), once the forward began.
-    The module engine's shapes: nothing new compiles (the session's compile cache and store)."""
+@contextlib.contextmanager
+def _a_group_held_in_its_forward(loaded, monkeypatch, drain_timeout: float):
+    """An engine whose batched prefill waits in its forward until the block ends, and a group of two
+    prompts (one admission) in it: yields (engine, the group's handles, a thread that shuts the engine
+    down with `drain_timeout`, not started) once the forward began. Leaving releases the forward, and
+    shuts the engine down where the test failed before starting that thread. The module engine's
+    shapes: nothing new compiles (the session's compile cache and store)."""
     eng = BatchEngine(loaded, max_model_len=96, max_batch=3, buckets=(8, 32), steps_per_dispatch=3).start()
     assert eng.wait_ready(300)
     entered, release, original = threading.Event(), threading.Event(), eng._run_prefill_rows
@@ -587,30 +591,27 @@ def _a_group_held_in_its_forward(loaded, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(eng, "_run_prefill_rows", held)
-    with eng._lock:  # one admission, one batched group
-        group = [eng.submit(GenerationRequest((first, 5), 12, ignore_eos=True)) for first in (85, 84)]
-    if not entered.wait(60):
+    closing = threading.Thread(target=eng.shutdown, kwargs={"drain_timeout": drain_timeout})
+    try:
+        with eng._lock:  # one admission, one batched group
+            group = [eng.submit(GenerationRequest((first, 5), 12, ignore_eos=True)) for first in (85, 84)]
+        assert entered.wait(60), "the group's forward never began"
+        yield eng, group, closing
+    finally:
         release.set()
-        eng.shutdown(5)
-        raise AssertionError("the group's forward never began")
-    return eng, group, release
+        if not closing.is_alive():  # a failure before the shutdown started: stop the engine anyway
+            eng.shutdown(5)
 
 
 def test_a_batched_group_counts_as_running_while_it_prefills_and_a_shutdown_drains_it(loaded, monkeypatch):
     """A batched group's prompts are in no slot until their forward ends: they count as running during
     it (/metrics, /health), and a shutdown that drains waits for them to finish instead of reading
     nothing running and cancelling them (before 2026-12-07 they were neither running nor waiting)."""
-    eng, group, release = _a_group_held_in_its_forward(loaded, monkeypatch)
-    closing = threading.Thread(target=eng.shutdown, kwargs={"drain_timeout": 120})
-    try:
+    with _a_group_held_in_its_forward(loaded, monkeypatch, drain_timeout=120) as (eng, group, closing):
         stats = eng.stats()
         assert (stats.running, stats.waiting, stats.slots_in_use) == (2, 0, 2)
         closing.start()
         time.sleep(0.2)  # the drain reads the group as running meanwhile
-    finally:
-        release.set()
-        if not closing.is_alive():  # a failure above: stop the engine anyway
-            eng.shutdown(5)
     results = [_ended(eng, handle) for handle in group]
     closing.join(130)
     assert [r.finish_reason for r in results] == ["length", "length"]
@@ -623,18 +624,12 @@ def test_a_shutdown_past_its_drain_cancels_a_group_still_in_its_forward(loaded, 
     too: the group ends cancelled without a token (its prefill's draw is dropped), no decode step
     after the drain. Before 2026-12-07 only queued and slotted requests were cancelled: the group
     decoded on until the loop's clean-up ended it."""
-    eng, group, release = _a_group_held_in_its_forward(loaded, monkeypatch)
-    closing = threading.Thread(target=eng.shutdown, kwargs={"drain_timeout": 0.2})
-    try:
+    with _a_group_held_in_its_forward(loaded, monkeypatch, drain_timeout=0.2) as (eng, group, closing):
         closing.start()
         deadline = time.monotonic() + 10
         while not all(handle.cancelled for handle in group) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert all(handle.cancelled for handle in group)  # by the shutdown, while the forward is held
-    finally:
-        release.set()
-        if not closing.is_alive():  # a failure above: stop the engine anyway
-            eng.shutdown(5)
     results = [_ended(eng, handle) for handle in group]
     closing.join(30)
     assert [r.finish_reason for r in results] == ["cancelled", "cancelled"]
