@@ -372,6 +372,43 @@ def test_a_row_draws_the_same_token_whatever_shares_the_batch():
     np.testing.assert_array_equal(reordered[::-1], together[3])
 
 
+def test_penalised_and_plain_rows_share_one_copy_of_the_sampler_and_keep_their_tokens():
+    """A `sample` program compiles the filtered sampler once (as many loops as `choose_ids` alone has;
+    a penalties branch beside an unpenalised one held a second copy, a sixth of each sampler program's
+    compile time), and a row's token still depends on its own settings only: rows with a repetition,
+    presence or frequency penalty beside greedy and sampled rows without one give what each gives alone,
+    and a penalty does change what its row draws."""
+    V, B = 1280, 4
+    loops = lambda lowered: lowered.as_text().count("stablehlo.while")  # noqa: E731
+    state = SamplingState.empty(B, V)
+    logits = jnp.asarray(np.stack([_peaked(V, 40 + r) for r in range(B)]))
+    assert loops(jax.jit(sample).lower(logits, state, jnp.zeros(B, jnp.bool_))) == loops(
+        jax.jit(sampling.choose_ids).lower(logits, state)) > 0
+
+    # temperature, repetition, presence, frequency; every row has seen its own best two tokens
+    settings = [(0.0, 1.0, 0.0, 0.0), (0.0, 3.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.8, 1.0, 4.0, 2.0)]
+    best = np.argsort(-np.asarray(logits), axis=-1)[:, :2]
+
+    def run(rows, penalties=True):
+        pick = lambda i: jnp.asarray([settings[r][i] if penalties or i == 0 else (0.0, 1.0, 0.0, 0.0)[i]  # noqa: E731
+                                      for r in rows], jnp.float32)
+        counts = np.zeros((len(rows), V), np.int32)
+        for i, r in enumerate(rows):
+            counts[i, best[r]] = 1
+        s = dataclasses.replace(
+            SamplingState.empty(len(rows), V), temperature=pick(0), repetition=pick(1), presence=pick(2),
+            frequency=pick(3), output_counts=jnp.asarray(counts),
+            key=jax.vmap(lambda r: jax.random.key_data(jax.random.key(r)))(jnp.asarray(rows) + 7).astype(jnp.uint32))
+        ids, *_ = jax.jit(sample)(logits[jnp.asarray(rows)], s, jnp.zeros(len(rows), jnp.bool_))
+        return np.asarray(ids)
+
+    together = run(list(range(B)))
+    np.testing.assert_array_equal(together, [run([r])[0] for r in range(B)])
+    assert together[0] == best[0, 0]  # greedy without a penalty
+    assert together[1] not in best[1] and together[3] not in best[3]  # the penalties push the seen tokens out
+    assert run([1, 3], penalties=False)[0] == best[1, 0]  # and without them the greedy row keeps its best
+
+
 def _threshold_rows():
     """(x, w, top, t, k, top_p, min_p) of five rows that take the whole-row thresholds: flat rows, ties,
     top-k, top-p, min-p and their mixes."""
