@@ -6,8 +6,9 @@ For batch 1 and 8 over [B, 262144] f32 logits (language-model-like, as `benchmar
 makes them), each version's `sample` is lowered and compiled (seconds, lines of optimised HLO,
 megabytes of the serialised executable: what a warm start loads), then called in each mode: greedy,
 greedy with repetition penalty 1.1, temperature 1.0, 0.7 with top_p 0.9, top_k 40, min_p 0.05. The
-versions alternate `--rounds` times (this machine's speed drifts); each figure is the median over the
-rounds of the median over `--repeats` of the mean over `--calls` calls.
+versions alternate `--rounds` times, each first in every other round (this machine's speed drifts, and
+a process's first compile is slower); each figure is the median over the rounds of the median over
+`--repeats` of the mean over `--calls` calls.
 
     python benchmarks/sampler_program.py --against OTHER/src [--rounds 3] [--repeats 5] [--calls 10]
 
@@ -81,8 +82,9 @@ def main() -> None:
         logits = lm_logits(batch, None)
         want = jnp.zeros(batch, jnp.bool_)
         seen = {name: {"compile_s": [], "ms": {mode: [] for mode in MODES}} for name in versions}
-        for _ in range(args.rounds):
-            for name, module in versions.items():
+        for round_ in range(args.rounds):
+            order = list(versions.items())  # each version first in every other round
+            for name, module in order[::-1] if round_ % 2 else order:
                 program, seconds, lines, size = compiled(module, logits, full_state(batch, MODES["greedy"]))
                 seen[name].update(hlo_lines=lines, executable_mb=round(size, 2))
                 seen[name]["compile_s"].append(seconds)

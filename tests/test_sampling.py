@@ -372,41 +372,63 @@ def test_a_row_draws_the_same_token_whatever_shares_the_batch():
     np.testing.assert_array_equal(reordered[::-1], together[3])
 
 
-def test_penalised_and_plain_rows_share_one_copy_of_the_sampler_and_keep_their_tokens():
-    """A `sample` program compiles the filtered sampler once (as many loops as `choose_ids` alone has;
-    a penalties branch beside an unpenalised one held a second copy, a sixth of each sampler program's
-    compile time), and a row's token still depends on its own settings only: rows with a repetition,
-    presence or frequency penalty beside greedy and sampled rows without one give what each gives alone,
-    and a penalty does change what its row draws."""
-    V, B = 1280, 4
-    loops = lambda lowered: lowered.as_text().count("stablehlo.while")  # noqa: E731
-    state = SamplingState.empty(B, V)
-    logits = jnp.asarray(np.stack([_peaked(V, 40 + r) for r in range(B)]))
-    assert loops(jax.jit(sample).lower(logits, state, jnp.zeros(B, jnp.bool_))) == loops(
-        jax.jit(sampling.choose_ids).lower(logits, state)) > 0
+def test_penalties_follow_vllms_rule():
+    """`apply_penalties` against the rule written out in numpy (vLLM's): the repetition penalty divides a
+    positive and multiplies a negative logit of every token seen in the prompt or the output; presence
+    subtracts once per token generated at least once, frequency once per time it was generated. Rows mix
+    the three; a row without any is left exactly as it is."""
+    rng = np.random.default_rng(11)
+    B, V = 5, 700
+    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)  # both signs
+    counts = rng.choice([0, 0, 0, 1, 3], size=(B, V)).astype(np.int32)
+    prompt = rng.random((B, V)) < 0.1
+    rep = np.asarray([1.3, 1.0, 1.0, 0.8, 1.0], np.float32)
+    presence = np.asarray([0.0, 0.5, 0.0, 0.4, 0.0], np.float32)
+    frequency = np.asarray([0.0, 0.0, -0.7, 0.3, 0.0], np.float32)
+    seen = prompt | (counts > 0)
+    want = np.where(seen, np.where(logits > 0, logits / rep[:, None], logits * rep[:, None]), logits)
+    want = want - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    state = dataclasses.replace(SamplingState.empty(B, V), repetition=jnp.asarray(rep), presence=jnp.asarray(presence),
+                                frequency=jnp.asarray(frequency), output_counts=jnp.asarray(counts),
+                                prompt_mask=jnp.asarray(prompt))
+    got = np.asarray(jax.jit(sampling.apply_penalties)(jnp.asarray(logits), state))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[4], logits[4])
+    assert (got[:4] != logits[:4]).any(axis=-1).all()
 
-    # temperature, repetition, presence, frequency; every row has seen its own best two tokens
-    settings = [(0.0, 1.0, 0.0, 0.0), (0.0, 3.0, 0.0, 0.0), (1.0, 1.0, 0.0, 0.0), (0.8, 1.0, 4.0, 2.0)]
-    best = np.argsort(-np.asarray(logits), axis=-1)[:, :2]
+
+def test_penalised_rows_beside_plain_rows_draw_what_they_draw_alone():
+    """A row's token depends on its own settings only, penalties included: rows with a repetition, or a
+    presence and frequency penalty, beside greedy and sampled rows without one give what each gives alone
+    (a batch with a penalised row takes `sample`'s penalties branch for every row), and the penalties move
+    their rows off the tokens they have seen."""
+    V, B = 1280, 4
+    logits = jnp.asarray(np.stack([_peaked(V, 40 + r) for r in range(B)]))
+    # temperature, top_k, repetition, presence, frequency; every row has generated its own best two tokens
+    settings = [(0.0, 0, 1.0, 0.0, 0.0), (0.0, 0, 3.0, 0.0, 0.0), (1.0, 0, 1.0, 0.0, 0.0), (0.8, 2, 1.0, 4.0, 2.0)]
+    best = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
 
     def run(rows, penalties=True):
-        pick = lambda i: jnp.asarray([settings[r][i] if penalties or i == 0 else (0.0, 1.0, 0.0, 0.0)[i]  # noqa: E731
-                                      for r in rows], jnp.float32)
+        plain = (None, None, 1.0, 0.0, 0.0)
+        pick = lambda i, dtype: jnp.asarray([settings[r][i] if penalties or i < 2 else plain[i] for r in rows], dtype)  # noqa: E731
         counts = np.zeros((len(rows), V), np.int32)
         for i, r in enumerate(rows):
-            counts[i, best[r]] = 1
-        s = dataclasses.replace(
-            SamplingState.empty(len(rows), V), temperature=pick(0), repetition=pick(1), presence=pick(2),
-            frequency=pick(3), output_counts=jnp.asarray(counts),
+            counts[i, best[r, :2]] = 1
+        state = dataclasses.replace(
+            SamplingState.empty(len(rows), V), temperature=pick(0, jnp.float32), top_k=pick(1, jnp.int32),
+            repetition=pick(2, jnp.float32), presence=pick(3, jnp.float32), frequency=pick(4, jnp.float32),
+            output_counts=jnp.asarray(counts),
             key=jax.vmap(lambda r: jax.random.key_data(jax.random.key(r)))(jnp.asarray(rows) + 7).astype(jnp.uint32))
-        ids, *_ = jax.jit(sample)(logits[jnp.asarray(rows)], s, jnp.zeros(len(rows), jnp.bool_))
+        ids, *_ = jax.jit(sample)(logits[jnp.asarray(rows)], state, jnp.zeros(len(rows), jnp.bool_))
         return np.asarray(ids)
 
     together = run(list(range(B)))
     np.testing.assert_array_equal(together, [run([r])[0] for r in range(B)])
-    assert together[0] == best[0, 0]  # greedy without a penalty
-    assert together[1] not in best[1] and together[3] not in best[3]  # the penalties push the seen tokens out
-    assert run([1, 3], penalties=False)[0] == best[1, 0]  # and without them the greedy row keeps its best
+    unpenalised = run(list(range(B)), penalties=False)
+    assert together[0] == unpenalised[0] == best[0, 0]  # greedy without a penalty
+    assert unpenalised[1] == best[1, 0] and together[1] == best[1, 2]  # repetition 3: the third best leads
+    # top_k 2: one of the best two without penalties; with them (6 off each) the best two are others
+    assert unpenalised[3] in best[3, :2] and together[3] not in best[3, :2]
 
 
 def _threshold_rows():

@@ -477,16 +477,11 @@ def sample(logits: jax.Array, state: SamplingState, want_logprobs: jax.Array, ad
     if mask is not None:
         logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
 
-    # One copy of the filtered sampler in the program (two branches, each calling `choose_ids`, held
-    # two: a sixth of a sampler program's compile time and 40% of its executable). A batch where some
-    # row samples or has a penalty passes its logits through the penalties' `cond`, a [B, V] write
-    # (0.2-1.0 ms at batch 8); a greedy batch without penalties takes the argmax alone, as before.
-    penalised = jnp.any((state.repetition != 1.0) | (state.presence != 0.0) | (state.frequency != 0.0))
-
-    def chosen():
-        return choose_ids(jax.lax.cond(penalised, lambda: apply_penalties(logits, state), lambda: logits), state)
-
-    ids = jax.lax.cond(jnp.any(state.temperature > 0) | penalised, chosen, lambda: _argmax(logits))
+    # Both branches return only ids: a branch that passed the logits through would copy all [B, V].
+    ids = jax.lax.cond(
+        jnp.any((state.repetition != 1.0) | (state.presence != 0.0) | (state.frequency != 0.0)),
+        lambda: choose_ids(apply_penalties(logits, state), state), lambda: choose_ids(logits, state),
+    )
 
     return (ids, *logprobs_of(logits_in, ids, want_logprobs), counted(state, ids, advance))
 
