@@ -340,7 +340,7 @@ class Deployments:
         how: Literal["sigterm", "sigkill", "already dead"] = "already dead"
         with self._lock:
             child = self._children.get(record.pid)  # its Popen, when this process started it
-        exit_code = self._exit_code(record)
+        exit_code = child.poll() if child is not None else None
         proc = self._process(record)
         if proc is not None:
             try:
