@@ -59,9 +59,8 @@ def full_state(batch: int, mode: tuple) -> this_sampling.SamplingState:
                                prompt_mask=jnp.zeros((batch, VOCAB), jnp.bool_))
 
 
-def compiled(module, logits, state):
+def compiled(module, logits, state, want):
     """(the compiled `sample` of `module`, compile seconds with lowering, HLO lines, executable MB)."""
-    want = jnp.zeros(logits.shape[0], jnp.bool_)
     t0 = time.perf_counter()
     program = jax.jit(lambda x, s, w: module.sample(x, s, w)).lower(logits, state, want).compile()
     seconds = time.perf_counter() - t0
@@ -85,7 +84,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(versions.items())  # each version first in every other round
             for name, module in order[::-1] if round_ % 2 else order:
-                program, seconds, lines, size = compiled(module, logits, full_state(batch, MODES["greedy"]))
+                program, seconds, lines, size = compiled(module, logits, full_state(batch, MODES["greedy"]), want)
                 seen[name].update(hlo_lines=lines, executable_mb=round(size, 2))
                 seen[name]["compile_s"].append(seconds)
                 def call(x, s, program=program, want=want):

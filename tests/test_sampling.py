@@ -81,6 +81,11 @@ def _rule_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     return out
 
 
+def _row_keys(seeds) -> jax.Array:
+    """[B] seeds -> [B, 2] u32: each row's raw PRNG key, as `SamplingState.key` holds it."""
+    return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.asarray(seeds)).astype(jnp.uint32)
+
+
 def _draws(logits: np.ndarray, temperature, top_k, top_p, min_p, n: int, batch: int = 2000, run=None) -> np.ndarray:
     """n independent draws of the sampler on one row of logits, `batch` rows (seeds) per call."""
     V = logits.shape[0]
@@ -88,10 +93,9 @@ def _draws(logits: np.ndarray, temperature, top_k, top_p, min_p, n: int, batch: 
     run = run or jax.jit(_filtered_sample)
     out = []
     for start in range(0, n, batch):
-        keys = jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.arange(start, start + batch))
         state = SamplingState(temperature=f(temperature), top_k=f(top_k, jnp.int32), top_p=f(top_p), min_p=f(min_p),
-                              presence=f(0.0), frequency=f(0.0), repetition=f(1.0), key=keys.astype(jnp.uint32),
-                              step=f(7, jnp.int32), output_counts=jnp.zeros((batch, 1), jnp.int32),
+                              presence=f(0.0), frequency=f(0.0), repetition=f(1.0),
+                              key=_row_keys(jnp.arange(start, start + batch)), step=f(7, jnp.int32), output_counts=jnp.zeros((batch, 1), jnp.int32),
                               prompt_mask=jnp.zeros((batch, 1), jnp.bool_))
         out.append(np.asarray(run(jnp.broadcast_to(jnp.asarray(logits), (batch, V)), state)))
     return np.concatenate(out)[:n]
@@ -356,7 +360,7 @@ def test_a_row_draws_the_same_token_whatever_shares_the_batch():
         state = dataclasses.replace(
             state, temperature=pick(0).astype(jnp.float32), top_k=pick(1).astype(jnp.int32),
             top_p=pick(2).astype(jnp.float32), min_p=pick(3).astype(jnp.float32),
-            key=jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.asarray(rows) + 100).astype(jnp.uint32),
+            key=_row_keys(jnp.asarray(rows) + 100),
             step=jnp.asarray(steps, jnp.int32))
         ids, *_ = jax.jit(sample)(jnp.asarray(logits[rows]), state, jnp.zeros(B, jnp.bool_))
         return np.asarray(ids)
@@ -409,16 +413,15 @@ def test_penalised_rows_beside_plain_rows_draw_what_they_draw_alone():
     best = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
 
     def run(rows, penalties=True):
-        plain = (None, None, 1.0, 0.0, 0.0)
-        pick = lambda i, dtype: jnp.asarray([settings[r][i] if penalties or i < 2 else plain[i] for r in rows], dtype)  # noqa: E731
+        pick = lambda i, dtype=jnp.float32: jnp.asarray([settings[r][i] for r in rows], dtype)  # noqa: E731
         counts = np.zeros((len(rows), V), np.int32)
         for i, r in enumerate(rows):
             counts[i, best[r, :2]] = 1
+        # without penalties the three stay at `SamplingState.empty`'s: repetition 1, presence and frequency 0
+        penalty = dict(repetition=pick(2), presence=pick(3), frequency=pick(4)) if penalties else {}
         state = dataclasses.replace(
-            SamplingState.empty(len(rows), V), temperature=pick(0, jnp.float32), top_k=pick(1, jnp.int32),
-            repetition=pick(2, jnp.float32), presence=pick(3, jnp.float32), frequency=pick(4, jnp.float32),
-            output_counts=jnp.asarray(counts),
-            key=jax.vmap(lambda r: jax.random.key_data(jax.random.key(r)))(jnp.asarray(rows) + 7).astype(jnp.uint32))
+            SamplingState.empty(len(rows), V), temperature=pick(0), top_k=pick(1, jnp.int32), **penalty,
+            output_counts=jnp.asarray(counts), key=_row_keys(jnp.asarray(rows) + 7))
         ids, *_ = jax.jit(sample)(logits[jnp.asarray(rows)], state, jnp.zeros(len(rows), jnp.bool_))
         return np.asarray(ids)
 
