@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,15 +30,9 @@ import uuid
 
 import httpx
 
-from gemmax.rigs.registry import wait_healthy
+from gemmax.rigs.registry import free_port, wait_healthy
 
 WORDS = ["river", "mountain", "signal", "copper", "lantern", "orbit", "quiet", "harvest", "marble", "window", "thunder", "pepper", "garden", "engine", "violet", "compass", "shadow", "ladder", "ember", "frost", "meadow", "canyon", "silver", "rocket", "anchor", "puzzle"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

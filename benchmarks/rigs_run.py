@@ -39,7 +39,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -52,7 +51,7 @@ from gemmax.bench.plots import plot_runs
 from gemmax.bench.report import print_run, wide_console, write_json
 from gemmax.bench.sweep import SweepConfig, parse_sampling, run_sweep, sampling_name
 from gemmax.engine.degeneracy import check_degeneracy
-from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
+from gemmax.rigs.registry import RigOptions, free_port, get_rig, wait_healthy
 
 HERE = Path(__file__).parent
 CHECK_PROMPT = "The capital of France is"
@@ -61,12 +60,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SAMPLINGS = ("temperature=1.0", "temperature=0.7,top_p=0.9", "temperature=1.0,top_k=40", "temperature=1.0,min_p=0.05")
 MODELS = {"builtin": "Gemma 3 270M (the built-in model, Q4_K_M GGUF dequantised)",
           "e2b6": "Gemma 4 E2B-shaped, 6 layers, random weights (seed 0)"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ints(text: str) -> tuple[int, ...]:

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from gemmax.rigs.registry import wait_healthy
+from gemmax.rigs.registry import free_port, wait_healthy
 
 PROMPTS = [
     "The capital of France is", "Write one sentence about the sea.", "List three colours:",
@@ -199,12 +198,6 @@ def table(summary: dict) -> str:
 
 def healthy(summary: dict) -> bool:
     return not (summary["lost"] or summary["corrupted"] or summary["unterminated"] or summary["failed"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

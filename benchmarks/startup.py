@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,13 +41,9 @@ from pathlib import Path
 
 import httpx
 
+from gemmax.rigs.registry import free_port
+
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_for(url: str, uds: str | None, timeout: float) -> httpx.Client:

@@ -4,7 +4,6 @@ through the rig registry as real subprocesses, a short sweep against each throug
 
 from __future__ import annotations
 
-import socket
 import subprocess
 
 import pytest
@@ -12,16 +11,10 @@ from typer.testing import CliRunner
 
 from gemmax.bench.report import load_run
 from gemmax.cli import app
-from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
+from gemmax.rigs.registry import RigOptions, free_port, get_rig, wait_healthy
 from hf_reference import build_gemma4
 
 runner = CliRunner()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import base64
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,17 +29,11 @@ from gemmax.deploy.aws import TAG, AwsSpec, AwsTarget
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry
 from gemmax.mcp.server import build_server
+from gemmax.rigs.registry import free_port
 from mcp_support import error, ok
 
 pytestmark = pytest.mark.timeout(120)
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
@@ -57,7 +50,6 @@ async def serving(app, port: int):
     finally:
         server.should_exit = True
         await task
-
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +178,7 @@ async def test_guard_rails_refuse_with_the_arithmetic(aws):
     async with Client(build_server()) as client:
         live = ok(await client.call_tool("deploy_launch", {
             "target": "aws", "name": "cap-live", "model": "m", "wait": False,
-            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{closed_port()}", planned_hours=2.0)}))
+            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{free_port()}", planned_hours=2.0)}))
         assert live["remote"]["state"] == "booting"
         refused = error(await client.call_tool("deploy_launch", {
             "target": "aws", "name": "cap-2", "model": "m", "aws": aws_options(aws, max_instances=1)}))
@@ -209,7 +201,7 @@ async def test_never_reachable_times_out_is_terminated_and_failed(aws):
     async with Client(build_server()) as client:
         message = error(await client.call_tool("deploy_launch", {
             "target": "aws", "name": "dark", "model": "m", "timeout_s": 3,
-            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{closed_port()}")}))
+            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{free_port()}")}))
         assert "deployment 'dark' failed:" in message and "not healthy after" in message
         assert "last: no TCP connection" in message and "was terminated" in message
         status = ok(await client.call_tool("deploy_status", {"name": "dark"}))
@@ -224,7 +216,7 @@ async def test_never_reachable_times_out_is_terminated_and_failed(aws):
 async def test_restarted_server_lists_and_terminates_a_booting_deployment(aws):
     """A launch left booting by one MCP server (no wait) is listed by a fresh server process, whose
     status call completes the boot timeline once /health answers, and which terminates it."""
-    port = closed_port()  # nothing answers there while the first server launches
+    port = free_port()  # nothing answers there while the first server launches
     async with Client(build_server()) as first:
         started = ok(await first.call_tool("deploy_launch", {
             "target": "aws", "name": "midway", "model": "m", "wait": False,
@@ -255,7 +247,7 @@ async def test_cleanup_terminates_orphans_only(aws):
     async with Client(build_server()) as client:
         kept = ok(await client.call_tool("deploy_launch", {
             "target": "aws", "name": "kept", "model": "m", "wait": False,
-            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{closed_port()}")}))["remote"]["aws"]["instance_id"]
+            "aws": aws_options(aws, endpoint=f"http://127.0.0.1:{free_port()}")}))["remote"]["aws"]["instance_id"]
         seen = ok(await client.call_tool("deploy_cleanup", {"dry_run": True}))["orphans"]
         assert [(o["instance_id"], o["deployment"], o["terminated"]) for o in seen] == [
             (orphan["InstanceId"], "lost", False)]
@@ -276,7 +268,7 @@ def test_cli_deploy_list_and_cost(aws):
     runner = CliRunner()
     launched = runner.invoke(app, ["deploy", "launch", "from-cli", "--target", "aws", "--instance-type", "g4dn.xlarge",
                                    "--zone", "us-east-1d", "--image-id", aws.image, "--on-demand", "--no-wait",
-                                   "--endpoint", f"http://127.0.0.1:{closed_port()}"])
+                                   "--endpoint", f"http://127.0.0.1:{free_port()}"])
     assert launched.exit_code == 0, launched.output
     record = json.loads(launched.stdout)["remote"]
     assert (record["model"], record["aws"]["market"], record["aws"]["zone"]) == ("builtin", "on-demand", "us-east-1d")
@@ -301,7 +293,7 @@ async def test_local_target_is_the_local_manager(aws, tmp_path):
     model = tmp_path
     async with Client(build_server()) as client:
         started = ok(await client.call_tool("deploy_launch", {
-            "target": "local", "name": "here", "model": str(model), "port": closed_port(), "wait": False}))
+            "target": "local", "name": "here", "model": str(model), "port": free_port(), "wait": False}))
         assert started["target"] == "local" and started["remote"] is None
         assert started["local"]["deployment"]["name"] == "here" and started["local"]["deployment"]["rig"] == "gemmax"
         listed = ok(await client.call_tool("deploy_list", {}))

@@ -32,12 +32,12 @@ import pytest
 from mcp import Client
 
 from gemmax.mcp.server import build_server
+from gemmax.rigs.registry import free_port
 from mcp_support import error, ok
 from tiny_checkpoint import write_tokenizer
 
 pytestmark = pytest.mark.timeout(150)
 TESTS = Path(__file__).parent
-
 
 
 def shim_wheel(directory: Path, tokenizer: Path) -> Path:
@@ -216,13 +216,5 @@ async def test_unknown_host_key_is_refused(ssh_host, tmp_path):
         listed = {r["name"]: r for r in ok(await client.call_tool("deploy_list", {}))["remote"]}
     assert f"ssh 127.0.0.1:{ssh_host.port}: Host key is not trusted for host 127.0.0.1" in message
     assert listed["spoofed"]["state"] == "failed" and "running" not in listed["spoofed"]["timeline"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 

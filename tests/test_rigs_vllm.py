@@ -21,16 +21,10 @@ from gemmax.bench.sweep import SweepConfig, run_sweep
 from gemmax.cli import app
 from gemmax.mcp import server as ops
 from gemmax.mcp.server import build_server
-from gemmax.rigs.registry import RigOptions, get_rig, wait_healthy
+from gemmax.rigs.registry import RigOptions, free_port, get_rig, wait_healthy
 from gemmax.rigs.vllm import PYTHON_ENV, SERVER_MODULE
 
 FAKE = Path(__file__).parent / "fake_vllm"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from fake_engine import fake_server, read_metric
+from gemmax.rigs.registry import free_port
 from gemmax.server.app import ServerSettings
 from gemmax.server.serve import serve
 from gemmax.weights.tokenizer import load_tokenizer
@@ -34,12 +34,6 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
     return load_tokenizer(tokenizer_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_slots(url: str, value: float, within: float) -> float:

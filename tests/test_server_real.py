@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from gemmax.engine.api import SamplingParams
 from gemmax.engine.engine import BatchEngine
 from gemmax.engine.generate import generate
 from gemmax.engine.loading import load_model
+from gemmax.rigs.registry import free_port
 from gemmax.server.app import ServerSettings, create_app
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -177,9 +177,7 @@ def _serving(checkpoint, *flags: str):
     """`gemmax serve` of the tiny checkpoint in a subprocess: yields (base URL, the /health statuses seen
     until the first 200) once ready; on exit SIGTERM, which must end it with status 0, then checks its
     log names the device policy."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gemmax.cli", "serve", "--model", str(checkpoint), "--port",
                              str(port), "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny",

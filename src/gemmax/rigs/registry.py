@@ -9,6 +9,7 @@ rig makes sure its own environment exists); `wait_healthy` polls `/health` until
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,14 @@ def get_rig(name: str) -> Rig:
         return RIGS[name]
     except KeyError:
         raise ValueError(f"unknown rig {name!r}; known: {', '.join(RIGS)}") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now, for a rig to be started on (the OS picks it; another
+    process may take it before the rig binds it, which the rig's start then reports)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def wait_healthy(base_url: str, timeout_s: float = 600.0, process: subprocess.Popen | None = None) -> dict:
