@@ -122,19 +122,24 @@ class FakeEngine:
         return self._warmed.is_set()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        return self.submit_all([request], loop)[0]
+
+    def submit_all(self, requests, loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
         if not self.ready:
             raise EngineNotReady("fake engine is not ready")
-        validate_request(request, max_model_len=self._max_model_len, vocab_size=self.vocab_size)
-        if self.crash_token is not None and self.crash_token in request.prompt_ids:
-            raise RuntimeError("fake engine crashed on submit")
-        self.submitted.append(request)
-        handle = RequestHandle(f"fake-{next(self._ids)}", request, loop)
-        content = [t for t in request.prompt_ids if t not in self.special_ids] or [request.prompt_ids[-1]]
+        for request in requests:
+            validate_request(request, max_model_len=self._max_model_len, vocab_size=self.vocab_size)
+            if self.crash_token is not None and self.crash_token in request.prompt_ids:
+                raise RuntimeError("fake engine crashed on submit")
+        runs = [_Run(RequestHandle(f"fake-{next(self._ids)}", request, loop),
+                     [t for t in request.prompt_ids if t not in self.special_ids] or [request.prompt_ids[-1]],
+                     time.perf_counter()) for request in requests]
         with self._cond:
-            self.admission.check(len(self._waiting))
-            self._waiting.append(_Run(handle, content, time.perf_counter()))
+            self.admission.check(max(len(self._waiting) - (self.max_batch - len(self._active)), 0))
+            self.submitted.extend(requests)
+            self._waiting.extend(runs)
             self._cond.notify()
-        return handle
+        return [run.handle for run in runs]
 
     def stats(self) -> EngineStats:
         with self._cond:

@@ -1194,7 +1194,8 @@ def test_the_wait_queue_is_bounded(engine, monkeypatch):
     with pytest.raises(QueueFull) as info:
         for i in range(engine.max_batch + 20):  # the queue drains into free slots as we go
             handles.append(engine.submit(GenerationRequest((90 + i, 3), 40, ignore_eos=True)))
-    assert 2 <= len(handles) <= engine.max_batch + 2  # at most every slot busy and 2 waiting
+    # the free slots take max_batch of them (requests the loop has not placed yet do not wait), then 2 wait
+    assert len(handles) >= engine.max_batch + 2
     assert 1 <= info.value.retry_after <= 60 and (info.value.max_queue, info.value.waiting) == (2, 2)
     for handle in handles:
         handle.cancel()

@@ -191,6 +191,26 @@ def test_logprobs(client):
     assert "".join(lp.tokens) == r.choices[0].text
 
 
+def test_completion_offsets_count_token_strings_and_top_logprobs_hold_the_chosen_token(client, tokenizer):
+    """text_offset[i] is the length of the token strings before token i (vLLM's rule), also across a
+    byte-fallback run whose text is held back until the run closes (`café` spelled as bytes: the
+    released text lags behind the tokens there); `logprobs: 0` still gives each chosen token's own
+    entry in top_logprobs (OpenAI's legacy rule: up to logprobs + 1 entries), streamed and not."""
+    ids = [*tokenizer.encode("ab caf", add_bos=False), tokenizer.token_to_id("<0xC3>"), tokenizer.token_to_id("<0xA9>"),
+           *tokenizer.encode(" cd", add_bos=False)]  # the fake echoes the prompt's ids
+    for stream in (False, True):
+        got = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=len(ids), logprobs=0,
+                                        stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(got) if stream else [got]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+        top = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+        assert text.startswith("ab café cd") and len(tokens) == len(ids)
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        assert top == [{t: -0.25} for t in tokens]
+
+
 def test_penalties_and_filters_reach_the_engine(client, server):
     engine = server[1]
     client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0.5, top_p=0.9, max_tokens=2,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -166,3 +167,31 @@ def test_a_full_queue_answers_503_with_retry_after(tokenizer):
             thread.join(30)
         assert results == [200, 200]
         assert client.completions.create(model="tiny", prompt="ab", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_one_calls_choices_are_admitted_or_refused_together(tokenizer):
+    """A call's prompts x n engine requests enter the queue as one: on an idle server with one slot and
+    a queue of one, n=3 and 2 prompts x n=2 are served (each choice used to be counted against the
+    bound by the call's own earlier choices: 503 every time); behind a full queue the whole call is
+    refused and none of it is queued."""
+    with fake_server(tokenizer, max_batch=1, max_queue=1, token_delay=0.02, max_model_len=4096) as (url, engine, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        body = {"max_tokens": 3, "temperature": 0}
+        assert len(client.completions.create(model="tiny", prompt="ab", n=3, **body).choices) == 3
+        assert len(client.completions.create(model="tiny", prompt=["ab", "cd"], n=2, **body).choices) == 4
+        held = httpx.Client(timeout=30)
+        hold = {"prompt": "ab", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        with held.stream("POST", f"{url}/v1/completions", json=hold) as running, \
+                held.stream("POST", f"{url}/v1/completions", json=hold) as waiting:
+            assert (running.status_code, waiting.status_code) == (200, 200)
+            deadline = time.monotonic() + 10
+            while engine.stats().waiting != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            before = len(engine.submitted)
+            with pytest.raises(openai.APIStatusError) as info:
+                client.completions.create(model="tiny", prompt="ab", n=3, **body)
+            assert info.value.status_code == 503 and info.value.body["code"] == "queue_full"
+            assert len(engine.submitted) == before and engine.stats().waiting == 1  # nothing of it queued
+            for run in list(engine._active) + list(engine._waiting):
+                run.handle.cancel()
+        held.close()

@@ -212,3 +212,53 @@ def test_forced_choice_grammars_accept_calls_and_refuse_other_names(servers, fmt
         for wrong in ('add{a:<|"|>1<|"|>,b:2}', "add{a:1}", "add{b:2,a:1}", "add{a:1,b:2,c:3}",
                       'get_weather{city:<|"|>Oslo<|"|>,days:1.5}', "get_weather{days:2}", "get_weather{city:5}"):
             assert not accepts(required, call(wrong)), wrong
+
+
+def _chat_text(url, engine, tok, script: list[int], **extra):
+    """(non-streamed choice, the streamed content deltas joined, the streamed finish chunk's choice) of
+    a chat answering `script`, with the parser on (tools, or the gemma4 tokenizer's thought channel)."""
+    engine.script = script
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400, temperature=0, **extra)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert all(c.choices[0].delta.model_dump(exclude_none=True) or c.choices[0].finish_reason for c in chunks[1:])
+    return choice, "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_stop_strings_cut_parsed_content_streamed_and_not(servers, tools):
+    """A stop string ends the parsed answer where it starts, as on the plain path (vLLM applies stop
+    strings to the text before its reasoning and tool parsers read it): nothing of the stop string
+    or of the token it ended in is content; with include_stop_str_in_output the string is kept. Every
+    streamed chunk after the first carries something (no empty deltas)."""
+    url, engine, tok = servers["gemma4"]
+    script = tok.encode("It is sunny in Paris today. Rain later.", add_bos=False)
+    extra = {"tools": tools} if tools else {}
+    for stop, include, content in ((["is sunny", "rain"], False, "It "), (["Paris t"], False, "It is sunny in "),
+                                   (["Paris t"], True, "It is sunny in Paris t")):
+        choice, streamed, finish = _chat_text(url, engine, tok, script, stop=stop,
+                                              extra_body={"include_stop_str_in_output": include}, **extra)
+        assert choice.message.content == streamed == content, (stop, include)
+        assert choice.finish_reason == finish.finish_reason == "stop"
+        assert choice.model_extra["stop_reason"] == finish.model_extra["stop_reason"] == stop[0]
+    # a stop string inside the thought channel ends the reasoning there, with no content
+    engine.script = tok.encode("<|channel>thought\nCheck the sky first.<channel|>It is sunny.", add_bos=False)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    message = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400,
+                                             temperature=0, stop=["sky"], **extra).choices[0].message
+    assert message.model_extra["reasoning_content"] == "Check the " and not message.content
+
+
+def test_an_invalid_byte_run_streams_what_the_answer_holds(servers):
+    """Parsed chat content streamed token by token joins to the non-streamed content and to the ids'
+    decode, also when a byte-fallback run turns invalid part way (`è` then a lone continuation byte:
+    the decoder then gives one U+FFFD per byte of the run, so a character streamed from the run's
+    first bytes would not be a prefix of the answer any more, and its stream stopped there)."""
+    url, engine, tok = servers["gemma4"]
+    run = [tok.token_to_id(f"<0x{b:02X}>") for b in (0xC3, 0xA8, 0x80)]
+    script = [*tok.encode(" hello", add_bos=False), *run, *tok.encode(" hello world", add_bos=False)]
+    for extra in ({}, {"tools": TOOLS}):
+        choice, streamed, finish = _chat_text(url, engine, tok, script, **extra)
+        assert choice.message.content == streamed == tok.decode(script) == " hello\ufffd\ufffd\ufffd hello world"
+        assert choice.finish_reason == finish.finish_reason == "stop"

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -277,8 +277,16 @@ class Engine(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        """Validate (`validate_request`) and queue a request (thread-safe). Raises InvalidRequest
-        (PromptTooLong among them), QueueFull or EngineNotReady."""
+        """`submit_all` of one request."""
+        ...
+
+    def submit_all(self, requests: Sequence[GenerationRequest],
+                   loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
+        """Validate (`validate_request`) and queue requests together (thread-safe), one handle each in
+        order: every one is validated before any is queued, and the queue bound (`Admission`) admits
+        or refuses them as one, so one API call's choices (prompts x n) are never refused by their
+        own earlier ones and nothing of a refused call is queued. Raises InvalidRequest (PromptTooLong
+        among them), QueueFull or EngineNotReady."""
         ...
 
     def stats(self) -> EngineStats: ...
@@ -395,8 +403,12 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
 
 
 class Admission:
-    """The bounded wait queue's rule, shared by every engine: refuse a request (QueueFull) once
-    `max_queue` requests wait, with a Retry-After estimated from recent request durations."""
+    """The bounded wait queue's rule, shared by every engine: refuse a call (`submit_all`'s requests,
+    as one) once `max_queue` requests wait, with a Retry-After estimated from recent request
+    durations. A queued request that a free slot will take does not wait (the engine passes the
+    queue less its free slots: a burst at an idle engine stays queued for its burst window). An
+    admitted call's requests all enter, so the queue can exceed the bound by one call's requests
+    less one (at most `--max-choices` - 1)."""
 
     def __init__(self, max_queue: int | None, slots: int):
         self.max_queue, self.slots = max_queue, max(slots, 1)

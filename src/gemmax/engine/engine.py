@@ -81,6 +81,7 @@ import logging
 import threading
 import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -395,23 +396,34 @@ class BatchEngine:
         }
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        return self.submit_all([request], loop)[0]
+
+    def submit_all(self, requests: Sequence[GenerationRequest],
+                   loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
         if not self.ready:
             raise EngineNotReady("engine is not ready (loading, warming up or shutting down)")
-        validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                         spec_ks=self.spec_ks, draft=self.drafter is not None, mtp=self.mtp is not None)
-        if request.speculative is None and self.speculation is not None:  # the engine's default
-            request = dataclasses.replace(request, speculative=self.speculation)
-        if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
-            raise InvalidRequest(request.constraint.param, "constrained output is not served across processes "
-                                 "yet (docs/mesh.md): serve it from one process", "unsupported")
-        handle = RequestHandle(f"req-{next(self._ids)}", request, loop)
+        checked = []
+        for request in requests:
+            validate_request(request, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+                             spec_ks=self.spec_ks, draft=self.drafter is not None, mtp=self.mtp is not None)
+            if request.speculative is None and self.speculation is not None:  # the engine's default
+                request = dataclasses.replace(request, speculative=self.speculation)
+            if self.schedule is not None and request.constraint is not None:  # its split step is not replayed
+                raise InvalidRequest(request.constraint.param, "constrained output is not served across processes "
+                                     "yet (docs/mesh.md): serve it from one process", "unsupported")
+            checked.append(request)
+        handles = [RequestHandle(f"req-{next(self._ids)}", request, loop) for request in checked]
         with self._lock:
             if self._drained:  # the loop stopped after `ready` was read above: nothing would take it
                 raise EngineNotReady("engine is not ready (shutting down, or its loop failed)")
-            self.admission.check(len(self._queue))  # QueueFull (503 + Retry-After) at the bound
-            self._queue.append((handle, time.perf_counter()))
+            # QueueFull (503 + Retry-After) at the bound. What waits is what the free slots will not
+            # take: a burst at an idle engine sits in the queue for the burst window, slots free.
+            free = len(self._free_slots()) - len(self._unplaced(self._admitting))
+            self.admission.check(max(len(self._queue) - max(free, 0), 0))
+            arrival = time.perf_counter()
+            self._queue.extend((handle, arrival) for handle in handles)
             self._lock.notify()
-        return handle
+        return handles
 
     def stats(self) -> EngineStats:
         """What is running and waiting now; the prefix cache's figures only once warm-up is done

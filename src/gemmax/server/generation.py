@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from gemmax.engine.api import (
@@ -172,14 +172,19 @@ class Choice:
     """One engine request's stream, turned into final text deltas, logprobs and a finish reason."""
 
     def __init__(self, index: int, prompt: Prompt, handle: RequestHandle, detokenizer: IncrementalDetokenizer,
-                 stops: StopStringMatcher, min_tokens: int, user_stop_ids: frozenset[int]):
+                 stops: StopStringMatcher, min_tokens: int, user_stop_ids: frozenset[int],
+                 token_str: Callable[[int], str]):
         self.index, self.prompt, self.handle = index, prompt, handle
+        self._token_str = token_str
         self._detok, self._stops, self._min_tokens = detokenizer, stops, min_tokens
         self._user_stop_ids = user_stop_ids
         self.token_ids: list[int] = []  # consumed ids (after a stop-string match, later ids are dropped)
         self.events: list[TokenEvent] = []  # consumed events not yet sent (streaming) / all (non-streaming)
         self.text = ""  # text released so far
-        self.offsets: list[int] = []  # len(self.text) when each id was consumed (completions text_offset)
+        # completions' text_offset: per consumed id, the length of the token strings before it (as
+        # vLLM counts it), not of the text released so far, which lags while text is held back
+        self.offsets: list[int] = []
+        self._offset = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.result: GenerationResult | None = None
@@ -197,7 +202,8 @@ class Choice:
         if self.last_token_at is not None:
             self.itl.append(now - self.last_token_at)
         self.last_token_at = now
-        self.offsets.append(len(self.text))
+        self.offsets.append(self._offset)
+        self._offset += len(self._token_str(event.token_id))
         self.token_ids.append(event.token_id)
         self.events.append(event)
         text = self._detok.push(event.token_id)
@@ -259,9 +265,11 @@ class Job:
         return renames
 
     def submit(self, engine, loop: asyncio.AbstractEventLoop, tokenizer, table) -> None:
-        """One engine request per prompt and choice; the engine validates each (and may refuse one
-        when its queue is full): then the ones already queued are cancelled and the refusal is
-        answered."""
+        """One engine request per prompt and choice, queued together (`Engine.submit_all`: the engine
+        validates every one first, and its queue bound admits or refuses them as one); a refusal is
+        answered with nothing queued. A choice read by an `OutputParser` (tools, a thought channel)
+        releases its text with special tokens kept: the parser reads the markers, and strips them
+        from what it returns when the request skips special tokens."""
         req = self.request
         wanted = req.requested_max_tokens
         stop_ids = tuple(req.stop_token_ids or ())
@@ -270,33 +278,35 @@ class Job:
         if tools and constraint is None:
             constraint = tool_constraint(req.tools, req.tool_choice, call_format(tokenizer), tokenizer)
         reasoning = self.kind == "chat" and has_thought_channel(tokenizer)
+        speculative = None if req.speculative is None else Speculation(**req.speculative)
+        requests = [
+            (prompt, GenerationRequest(
+                prompt_ids=tuple(prompt.ids),
+                max_tokens=max(engine.max_model_len - len(prompt.ids), 1) if wanted is None else wanted,
+                sampling=sampling_params(req, None if req.seed is None else req.seed + j), stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=req.engine_logprobs,
+                fit_to_context=wanted is None, constraint=constraint, cache_salt=req.cache_salt, speculative=speculative))
+            for prompt in self.prompts for j in range(req.n)]  # choice index p * n + j
         try:
-            for p, prompt in enumerate(self.prompts):
-                room = max(engine.max_model_len - len(prompt.ids), 1)
-                for j in range(req.n):
-                    seed = None if req.seed is None else req.seed + j
-                    gen = GenerationRequest(
-                        prompt_ids=tuple(prompt.ids), max_tokens=room if wanted is None else wanted,
-                        sampling=sampling_params(req, seed), stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                        min_tokens=req.min_tokens, logprobs=req.engine_logprobs, fit_to_context=wanted is None,
-                        constraint=constraint, cache_salt=req.cache_salt,
-                        speculative=None if req.speculative is None else Speculation(**req.speculative),
-                    )
-                    handle = engine.submit(gen, loop)
-                    self.choices.append(Choice(
-                        p * req.n + j, prompt, handle,
-                        IncrementalDetokenizer(tokenizer, req.skip_special_tokens, table),
-                        StopStringMatcher(req.stop, req.include_stop_str_in_output),
-                        req.min_tokens, frozenset(stop_ids),
-                    ))
-                    if tools or reasoning:
-                        self.parsers[p * req.n + j] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
-                                                                   skip_special_tokens=req.skip_special_tokens)
-        except BaseException as exc:
-            self.close()
-            mapped = engine_error(exc, self.renames) if isinstance(exc, Exception) else None
+            handles = engine.submit_all([gen for _, gen in requests], loop)
+        except Exception as exc:
+            mapped = engine_error(exc, self.renames)
             if mapped is not None:
                 raise mapped from exc
+            raise
+        parsed = tools or reasoning
+        try:
+            for index, ((prompt, _), handle) in enumerate(zip(requests, handles, strict=True)):
+                self.choices.append(Choice(
+                    index, prompt, handle, IncrementalDetokenizer(tokenizer, req.skip_special_tokens and not parsed, table),
+                    StopStringMatcher(req.stop, req.include_stop_str_in_output), req.min_tokens, frozenset(stop_ids),
+                    self.state.token_str))
+                if parsed:
+                    self.parsers[index] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
+                                                       skip_special_tokens=req.skip_special_tokens)
+        except BaseException:
+            for handle in handles:  # queued already: their slots must not run for nobody
+                handle.cancel()
             raise
 
     def close(self) -> None:
@@ -400,10 +410,12 @@ class Job:
                 {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in (e.top_logprobs or ())[:k]]}
                 for e in events
             ]}
+        # the chosen token, then the k most likely: up to k + 1 entries (OpenAI's legacy rule, vLLM's)
         return {
             "tokens": [token(e.token_id) for e in events],
             "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{token(t): lp for t, lp in (e.top_logprobs or ())[:k]} for e in events],
+            "top_logprobs": [{token(e.token_id): e.logprob, **{token(t): lp for t, lp in (e.top_logprobs or ())[:k]}}
+                             for e in events],
             "text_offset": offsets,
         }
 
@@ -435,7 +447,7 @@ async def collect(job: Job) -> dict[str, Any]:
         body: dict[str, Any] = {"index": c.index}
         parser = job.parsers.get(c.index)
         if chat and parser is not None:
-            parser.update(c.token_ids, final=True)
+            parser.update(c.text, final=True)
             body["message"] = parser.message()
             if body["message"].get("tool_calls") and c.finish_reason == "stop":
                 c.finish_reason = "tool_calls"
@@ -468,23 +480,31 @@ async def stream(job: Job) -> AsyncIterator[str]:
     on_error = job.state.settings.on_degenerate == "error"
     started: set[int] = set()
 
-    def chunk(choice: Choice, text: str, finish: bool) -> dict[str, Any]:
+    def chunk(choice: Choice, text: str, finish: bool) -> dict[str, Any] | None:
+        """The chunk of what `choice` released (`text`), or None when there is nothing to send: no
+        text or parser delta, not its first chunk nor its last, and no token ids asked for (the
+        tokens' logprobs then go out with the next chunk, as the plain path sends them)."""
         first = choice.index not in started
-        started.add(choice.index)
-        events = choice.take_events()
-        offsets = choice.offsets[len(choice.offsets) - len(events) :] if events else []
         body: dict[str, Any] = {"index": choice.index}
         parser = job.parsers.get(choice.index)
         finish_reason = choice.finish_reason
         if chat and parser is not None:
-            delta = parser.update(choice.token_ids, final=finish)
+            delta = parser.update(choice.text, final=finish)
             if parser.calls and finish and finish_reason == "stop":
                 finish_reason = "tool_calls"
             body["delta"] = {"role": "assistant", **delta} if first else delta
+            news = bool(delta)
         elif chat:
             body["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            news = bool(text)
         else:
             body["text"] = ((choice.prompt.text or "") if req.echo and first else "") + text
+            news = bool(text)
+        if not (news or first or finish or req.return_token_ids):
+            return None
+        started.add(choice.index)
+        events = choice.take_events()
+        offsets = choice.offsets[len(choice.offsets) - len(events) :] if events else []
         body.update(logprobs=job.logprobs(choice, events, offsets), finish_reason=finish_reason if finish else None,
                     stop_reason=choice.stop_reason if finish else None)
         if req.return_token_ids:
@@ -503,12 +523,11 @@ async def stream(job: Job) -> AsyncIterator[str]:
                 if on_error and job.degeneracy(choice)["degenerate"]:
                     raise degenerate_error(job, choice)
                 yield sse(chunk(choice, tail, finish=True))
-            elif not choice.stopped:  # (a choice that hit a stop string is drained silently)
-                text = choice.on_token(event)
-                # With return_token_ids every token goes out at once (vLLM does the same), even while
-                # its text is held back (a partial UTF-8 character or a possible stop string).
-                if text or choice.index not in started or req.return_token_ids or choice.index in job.parsers:
-                    yield sse(chunk(choice, text, finish=False))
+            # (a choice that hit a stop string is drained silently.) With return_token_ids every token
+            # goes out at once (vLLM does the same), even while its text is held back (a partial UTF-8
+            # character or a possible stop string).
+            elif not choice.stopped and (body := chunk(choice, choice.on_token(event), finish=False)) is not None:
+                yield sse(body)
         if req.include_usage:
             yield sse({**job.header(obj), "choices": [], "usage": job.usage()})
     except ApiError as exc:

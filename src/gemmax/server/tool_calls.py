@@ -13,8 +13,12 @@ Two call formats, picked from the tokenizer:
 `tool_choice` "required" and a named function are enforced by a grammar (`tool_constraint`), so the
 answer always parses; "auto" parses whatever the model wrote and leaves plain text as content.
 
-`OutputParser.update(ids)` re-reads a choice's whole token list each time (outputs are short next to
-the cost of a decode step) and returns what is new since the last call: reasoning text, content
+`OutputParser.update(text)` re-reads a choice's whole released text each time (outputs are short next
+to the cost of a decode step) and returns what is new since the last call. That text is the choice's
+detokenizer output with special tokens kept (markers included), released as the plain path releases
+it: valid UTF-8 only, an open byte-fallback run held back, cut at a stop string and any prefix of one
+held back (`gemmax.server.detokenize`), so it only ever grows and never holds a stop string's text.
+What is new is reasoning text, content
 text, and tool calls as vLLM streams them: a call's name (with its id) as soon as it is written,
 then its JSON arguments in pieces as they arrive. Both call formats are read left to right so that
 a call's arguments only ever grow (Gemma 4's are translated to JSON character by character;
@@ -371,7 +375,7 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
 
 
 class OutputParser:
-    """Reasoning / content / tool calls of one choice, from its token ids (see the module docstring)."""
+    """Reasoning / content / tool calls of one choice, from its released text (see the module docstring)."""
 
     def __init__(self, tokenizer, *, tools: bool, reasoning: bool, skip_special_tokens: bool = True):
         self.tok, self.tools, self.reasoning = tokenizer, tools, reasoning
@@ -383,10 +387,9 @@ class OutputParser:
         self.call_ids: list[str] = []  # one id per call, given when its name is first seen
         self.arguments_sent: list[int] = []  # characters of each call's arguments sent so far
 
-    def _split(self, ids: list[int], final: bool) -> None:
-        """reasoning_text, content and the calls of the ids so far."""
+    def _split(self, full: str, final: bool) -> None:
+        """reasoning_text, content and the calls of the released text so far."""
         tok = self.tok
-        full = tok.decode(ids, skip_special_tokens=False)
         reasoning, rest = "", full
         if self.reasoning and full.lstrip().startswith(CHANNEL_OPEN):
             body = full.lstrip()[len(CHANNEL_OPEN):]
@@ -422,24 +425,20 @@ class OutputParser:
                 rest = ""  # calls, or maybe calls: no content goes out until the answer is complete
         self.reasoning_text, self.content, self.calls = reasoning, rest, calls
 
-    def update(self, ids: list[int], final: bool = False) -> dict[str, Any]:
-        """What is new since the last call: {"reasoning_content": str, "content": str,
+    def update(self, text: str, final: bool = False) -> dict[str, Any]:
+        """What is new in the choice's released text (special tokens kept) since the last call: {"reasoning_content": str, "content": str,
         "tool_calls": [...]} (only the keys with something new). A call's first entry carries its
         index, id, type and name with the arguments so far; later entries only arguments pieces
         (`{"index", "function": {"arguments"}}`), as vLLM streams them."""
-        self._split(ids, final)
+        self._split(text, final)
         delta: dict[str, Any] = {}
-        for key, text in (("reasoning", self.reasoning_text), ("content", self.content)):
-            if not final:
-                text = text.rstrip("\ufffd")  # a character whose bytes have not all arrived
+        for key, part in (("reasoning", self.reasoning_text), ("content", self.content)):
             sent = self.sent[key]
-            if len(text) > len(sent) and text.startswith(sent):
-                delta["reasoning_content" if key == "reasoning" else "content"] = text[len(sent):]
-                self.sent[key] = text
+            if len(part) > len(sent) and part.startswith(sent):
+                delta["reasoning_content" if key == "reasoning" else "content"] = part[len(sent):]
+                self.sent[key] = part
         pieces = []
         for index, (name, arguments) in enumerate(self.calls):
-            if not final:
-                arguments = arguments.rstrip("\ufffd")
             if index == len(self.call_ids):
                 self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
                 self.arguments_sent.append(len(arguments))
@@ -453,7 +452,7 @@ class OutputParser:
         return delta
 
     def message(self) -> dict[str, Any]:
-        """The non-streamed assistant message (after `update(ids, final=True)`)."""
+        """The non-streamed assistant message (after `update(text, final=True)`)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning_text or None
