@@ -100,6 +100,8 @@ def test_out_of_range_parameters_are_400(server, path, extra, param):
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": [BOS_ID, 100_000]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": []}, "empty"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"json": "{bad"}},
+     "structured_outputs.json is not valid JSON"),
 ])
 def test_inconsistent_requests_are_400(server, path, body, needle):
     err = assert_error(post(server[0], path, body), 400)

@@ -160,7 +160,10 @@ def _constraint(response_format: dict[str, Any] | None, structured: dict[str, An
         param = f"structured_outputs.{key}"
         if key == "json":
             if isinstance(value, str):
-                value = json.loads(value)
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(value, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
             found = _spec("json_schema", json.dumps(value), param)
