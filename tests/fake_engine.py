@@ -135,7 +135,7 @@ class FakeEngine:
                      [t for t in request.prompt_ids if t not in self.special_ids] or [request.prompt_ids[-1]],
                      time.perf_counter()) for request in requests]
         with self._cond:
-            self.admission.check(max(len(self._waiting) - (self.max_batch - len(self._active)), 0))
+            self.admission.check(len(self._waiting), self.max_batch - len(self._active))
             self.submitted.extend(requests)
             self._waiting.extend(runs)
             self._cond.notify()

@@ -1187,16 +1187,29 @@ def test_a_prefill_chunk_reads_and_writes_what_the_whole_row_would(loaded):
 
 
 def test_the_wait_queue_is_bounded(engine, monkeypatch):
-    from gemmax.engine.api import Admission, QueueFull
+    """Requests that free slots will take do not wait (the loop may not have placed them yet), so
+    max_batch + 2 enter a queue bounded at 2 (none can finish meanwhile: 400 tokens each); a call of
+    several requests (`submit_all`) at the bound, or with one invalid request, queues none of them."""
+    from gemmax.engine.api import Admission, InvalidRequest, QueueFull
 
     monkeypatch.setattr(engine, "admission", Admission(2, engine.max_batch))
     handles = []
     with pytest.raises(QueueFull) as info:
-        for i in range(engine.max_batch + 20):  # the queue drains into free slots as we go
-            handles.append(engine.submit(GenerationRequest((90 + i, 3), 40, ignore_eos=True)))
-    # the free slots take max_batch of them (requests the loop has not placed yet do not wait), then 2 wait
-    assert len(handles) >= engine.max_batch + 2
+        for i in range(engine.max_batch + 20):
+            handles.append(engine.submit(GenerationRequest((90 + i, 3), 400, ignore_eos=True)))
+    assert len(handles) == engine.max_batch + 2
     assert 1 <= info.value.retry_after <= 60 and (info.value.max_queue, info.value.waiting) == (2, 2)
+
+    def held() -> int:
+        stats = engine.stats()  # one read: the loop moves queued requests into slots meanwhile
+        return stats.running + stats.waiting
+
+    before = held()
+    with pytest.raises(QueueFull):
+        engine.submit_all([GenerationRequest((5, 3), 4), GenerationRequest((6, 3), 4)])
+    with pytest.raises(InvalidRequest):
+        engine.submit_all([GenerationRequest((5, 3), 4), GenerationRequest((6, 3), 4, SamplingParams(temperature=-1))])
+    assert held() == before == engine.max_batch + 2
     for handle in handles:
         handle.cancel()
         handle.wait()

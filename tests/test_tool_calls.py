@@ -250,6 +250,29 @@ def test_stop_strings_cut_parsed_content_streamed_and_not(servers, tools):
     assert message.model_extra["reasoning_content"] == "Check the " and not message.content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_never_match_in_special_tokens(servers, stream):
+    """The request skips special tokens (the default), so its stop strings see the answer as the plain
+    path's skipping decode shows it: `|`, `<|tool_call>` or `<|channel>` match nothing in a call or a
+    thought channel, which parse as without them; `"` matches in the call's text, the content ends
+    before the call, and the answer ends "stop" (the call it cut is not a finished call)."""
+    url, engine, tok = servers["gemma4"]
+    call = [("get_weather", {"city": 'Paris, "FR"', "days": 3})]
+    for stop in (["|"], ["<|tool_call>"], ["<|channel>", "<|\"|>"]):
+        choice = _ask(url, engine, tok, G4_ONE, stream=stream, stop=stop)
+        choice = choice[0] if stream else choice
+        assert (choice.message.content, _calls(choice.message), choice.finish_reason) == ("Let me look.", call, "tool_calls")
+    choice = _ask(url, engine, tok, G4_ONE, stream=stream, stop=['"'])
+    choice = choice[0] if stream else choice
+    assert (choice.message.content, choice.finish_reason) == ("Let me look.", "stop")
+    think = tok.encode("<|channel>thought\nCheck | the sky.<channel|>It is sunny.", add_bos=False)
+    engine.script = think
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    message = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400,
+                                             temperature=0, stop=["ky.<", "|"]).choices[0].message
+    assert message.model_extra["reasoning_content"] == "Check " and not message.content  # "ky.<" spans a marker
+
+
 def test_an_invalid_byte_run_streams_what_the_answer_holds(servers):
     """Parsed chat content streamed token by token joins to the non-streamed content and to the ids'
     decode, also when a byte-fallback run turns invalid part way (`è` then a lone continuation byte:

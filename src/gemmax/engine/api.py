@@ -405,16 +405,19 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
 class Admission:
     """The bounded wait queue's rule, shared by every engine: refuse a call (`submit_all`'s requests,
     as one) once `max_queue` requests wait, with a Retry-After estimated from recent request
-    durations. A queued request that a free slot will take does not wait (the engine passes the
-    queue less its free slots: a burst at an idle engine stays queued for its burst window). An
-    admitted call's requests all enter, so the queue can exceed the bound by one call's requests
-    less one (at most `--max-choices` - 1)."""
+    durations. A queued request that a free slot will take does not wait (a burst at an idle engine
+    stays queued for its burst window, slots free). An admitted call's requests all enter, so the
+    waiting requests can exceed the bound by one call's requests less one (at most
+    `--max-choices` - 1)."""
 
     def __init__(self, max_queue: int | None, slots: int):
         self.max_queue, self.slots = max_queue, max(slots, 1)
         self._recent = 2.0  # seconds a request holds a slot (moving average; a guess until measured)
 
-    def check(self, waiting: int) -> None:
+    def check(self, queued: int, free: int) -> None:
+        """Refuse (QueueFull) when the `queued` requests, less what the `free` slots will take, are
+        at the bound."""
+        waiting = max(queued - max(free, 0), 0)
         if self.max_queue is not None and waiting >= self.max_queue:
             raise QueueFull(waiting, self.max_queue, self.retry_after(waiting))
 

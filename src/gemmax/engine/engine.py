@@ -416,10 +416,9 @@ class BatchEngine:
         with self._lock:
             if self._drained:  # the loop stopped after `ready` was read above: nothing would take it
                 raise EngineNotReady("engine is not ready (shutting down, or its loop failed)")
-            # QueueFull (503 + Retry-After) at the bound. What waits is what the free slots will not
-            # take: a burst at an idle engine sits in the queue for the burst window, slots free.
-            free = len(self._free_slots()) - len(self._unplaced(self._admitting))
-            self.admission.check(max(len(self._queue) - max(free, 0), 0))
+            # QueueFull (503 + Retry-After) at the bound; the prompts an admission took and has not
+            # placed yet hold slots that look free
+            self.admission.check(len(self._queue), len(self._free_slots()) - len(self._unplaced(self._admitting)))
             arrival = time.perf_counter()
             self._queue.extend((handle, arrival) for handle in handles)
             self._lock.notify()

@@ -15,7 +15,10 @@ later ids could still change, so the concatenated deltas equal `tokenizer.decode
 
 `StopStringMatcher` sits after it: text that could still be the start of a stop string is held back,
 so a stop string never leaks partially; on a match the text before it (plus the stop string itself
-with `include_stop_str_in_output`) is the last delta.
+with `include_stop_str_in_output`) is the last delta. Given the special tokens' strings (`opaque`: a
+parsed chat answer, whose text keeps its markers for the parser while the request skips special
+tokens), it matches on the text without them, as the plain path's skipping decode shows it, and
+passes them through: a stop string never matches in, or is held back by, a special token.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class TokenTable:
     """What the detokenizer needs to know about a vocabulary, computed once per tokenizer:
-    `byte_ids` {id: byte} of the `<0xHH>` tokens when the decoder is ByteFallback (else empty) and
-    `special_ids`, which decoding with skip_special_tokens drops (so byte runs join across them)."""
+    `byte_ids` {id: byte} of the `<0xHH>` tokens when the decoder is ByteFallback (else empty),
+    `special_ids`, which decoding with skip_special_tokens drops (so byte runs join across them), and
+    `special_strings`, their texts, longest first."""
 
     def __init__(self, tokenizer):
         self.byte_ids: dict[int, int] = {}
         self.special_ids: frozenset[int] = frozenset()
+        self.special_strings: tuple[str, ...] = ()
         backend = getattr(tokenizer, "backend", None)
         if backend is None:
             return
-        self.special_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        specials = {i: tok.content for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.special_ids = frozenset(specials)
+        self.special_strings = tuple(sorted(set(specials.values()), key=len, reverse=True))
         if backend.decoder is not None and "ByteFallback" in json.dumps(json.loads(backend.decoder.__getstate__())):
             self.byte_ids = {i: int(m.group(1), 16) for tok, i in backend.get_vocab(with_added_tokens=False).items()
                              if (m := _BYTE_TOKEN.fullmatch(tok))}
@@ -124,25 +131,47 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: Sequence[str], include_stop: bool = False):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False, opaque: Sequence[str] = ()):
         self.stops = tuple(stops)
         self._include = include_stop
         self._held = ""
+        # the special tokens' strings, longest first: matched around, never in
+        self._opaque = re.compile("|".join(map(re.escape, opaque))) if opaque else None
+
+    def _visible(self, text: str) -> tuple[str, list[int]]:
+        """`text` without the opaque strings, and where each of its characters is in `text`."""
+        if self._opaque is None:
+            return text, list(range(len(text)))
+        kept, at = [], 0
+        for m in self._opaque.finditer(text):
+            kept.extend(range(at, m.start()))
+            at = m.end()
+        kept.extend(range(at, len(text)))
+        return "".join(text[i] for i in kept), kept
 
     def feed(self, text: str) -> tuple[str, str | None]:
-        """(text safe to emit, the stop string matched or None). After a match, stop feeding."""
+        """(text safe to emit, the stop string matched or None). After a match, stop feeding. The
+        text emitted ends right after a visible character (opaque strings after the last one wait
+        with what is held), unless nothing is held."""
         if not self.stops:
             return text, None
         buf = self._held + text
-        hits = [(buf.find(s), -len(s), s) for s in self.stops if s in buf]
+        visible, where = self._visible(buf)
+        hits = [(visible.find(s), -len(s), s) for s in self.stops if s in visible]
         if hits:
             at, _, stop = min(hits)  # earliest match; the longest stop string on a tie
+            end = at + (len(stop) if self._include else 0)  # visible characters kept
             self._held = ""
-            return buf[: at + (len(stop) if self._include else 0)], stop
-        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
+            return buf[: where[end - 1] + 1 if end else 0], stop
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(visible) + 1)) if visible.endswith(s[:k])),
                    default=0)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], None
+        if not keep:
+            self._held = ""
+            return buf, None
+        end = len(visible) - keep
+        cut = where[end - 1] + 1 if end else 0
+        self._held = buf[cut:]
+        return buf[:cut], None
 
     @property
     def held(self) -> bool:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gemmax.engine.api import (
@@ -172,19 +172,14 @@ class Choice:
     """One engine request's stream, turned into final text deltas, logprobs and a finish reason."""
 
     def __init__(self, index: int, prompt: Prompt, handle: RequestHandle, detokenizer: IncrementalDetokenizer,
-                 stops: StopStringMatcher, min_tokens: int, user_stop_ids: frozenset[int],
-                 token_str: Callable[[int], str]):
+                 stops: StopStringMatcher, min_tokens: int, user_stop_ids: frozenset[int]):
         self.index, self.prompt, self.handle = index, prompt, handle
-        self._token_str = token_str
         self._detok, self._stops, self._min_tokens = detokenizer, stops, min_tokens
         self._user_stop_ids = user_stop_ids
         self.token_ids: list[int] = []  # consumed ids (after a stop-string match, later ids are dropped)
         self.events: list[TokenEvent] = []  # consumed events not yet sent (streaming) / all (non-streaming)
         self.text = ""  # text released so far
-        # completions' text_offset: per consumed id, the length of the token strings before it (as
-        # vLLM counts it), not of the text released so far, which lags while text is held back
-        self.offsets: list[int] = []
-        self._offset = 0
+        self.token_chars = 0  # characters of the token strings sent so far (completions' text_offset)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.result: GenerationResult | None = None
@@ -202,8 +197,6 @@ class Choice:
         if self.last_token_at is not None:
             self.itl.append(now - self.last_token_at)
         self.last_token_at = now
-        self.offsets.append(self._offset)
-        self._offset += len(self._token_str(event.token_id))
         self.token_ids.append(event.token_id)
         self.events.append(event)
         text = self._detok.push(event.token_id)
@@ -269,7 +262,8 @@ class Job:
         validates every one first, and its queue bound admits or refuses them as one); a refusal is
         answered with nothing queued. A choice read by an `OutputParser` (tools, a thought channel)
         releases its text with special tokens kept: the parser reads the markers, and strips them
-        from what it returns when the request skips special tokens."""
+        from what it returns when the request skips special tokens; its stop strings are matched on
+        the text without them then, as the plain path's skipping decode shows it."""
         req = self.request
         wanted = req.requested_max_tokens
         stop_ids = tuple(req.stop_token_ids or ())
@@ -299,11 +293,12 @@ class Job:
             for index, ((prompt, _), handle) in enumerate(zip(requests, handles, strict=True)):
                 self.choices.append(Choice(
                     index, prompt, handle, IncrementalDetokenizer(tokenizer, req.skip_special_tokens and not parsed, table),
-                    StopStringMatcher(req.stop, req.include_stop_str_in_output), req.min_tokens, frozenset(stop_ids),
-                    self.state.token_str))
+                    StopStringMatcher(req.stop, req.include_stop_str_in_output,
+                                      table.special_strings if parsed and req.skip_special_tokens else ()),
+                    req.min_tokens, frozenset(stop_ids)))
                 if parsed:
                     self.parsers[index] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
-                                                       skip_special_tokens=req.skip_special_tokens)
+                                                       skipped=table.special_strings if req.skip_special_tokens else None)
         except BaseException:
             for handle in handles:  # queued already: their slots must not run for nobody
                 handle.cancel()
@@ -394,9 +389,12 @@ class Job:
         verdict = choice.result.degeneracy if choice.result is not None else None
         return {"degenerate": bool(verdict and verdict.degenerate), "reason": verdict.reason if verdict else None}
 
-    def logprobs(self, choice: Choice, events: list[TokenEvent], offsets: list[int]) -> dict[str, Any] | None:
+    def logprobs(self, choice: Choice, events: list[TokenEvent]) -> dict[str, Any] | None:
         """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: vLLM's
-        {tokens, token_logprobs, top_logprobs, text_offset}."""
+        {tokens, token_logprobs, top_logprobs, text_offset}, `events` being the choice's next ones
+        (text_offset: the characters of the choice's token strings before each, as vLLM's
+        non-streamed response counts them; its streamed chunks restart at the text released so far,
+        which lags while text is held back: here the streamed offsets are the non-streamed ones)."""
         k = self.request.engine_logprobs
         if k is None:
             return None
@@ -410,12 +408,17 @@ class Job:
                 {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in (e.top_logprobs or ())[:k]]}
                 for e in events
             ]}
+        tokens = [token(e.token_id) for e in events]
+        offsets = []
+        for t in tokens:
+            offsets.append(choice.token_chars)
+            choice.token_chars += len(t)
         # the chosen token, then the k most likely: up to k + 1 entries (OpenAI's legacy rule, vLLM's)
         return {
-            "tokens": [token(e.token_id) for e in events],
+            "tokens": tokens,
             "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{token(e.token_id): e.logprob, **{token(t): lp for t, lp in (e.top_logprobs or ())[:k]}}
-                             for e in events],
+            "top_logprobs": [{t: e.logprob, **{token(i): lp for i, lp in (e.top_logprobs or ())[:k]}}
+                             for t, e in zip(tokens, events, strict=True)],
             "text_offset": offsets,
         }
 
@@ -449,13 +452,13 @@ async def collect(job: Job) -> dict[str, Any]:
         if chat and parser is not None:
             parser.update(c.text, final=True)
             body["message"] = parser.message()
-            if body["message"].get("tool_calls") and c.finish_reason == "stop":
+            if body["message"].get("tool_calls") and c.finish_reason == "stop" and not isinstance(c.stop_reason, str):
                 c.finish_reason = "tool_calls"
         elif chat:
             body["message"] = {"role": "assistant", "content": c.text}
         else:
             body["text"] = ((c.prompt.text or "") if job.request.echo else "") + c.text
-        body.update(logprobs=job.logprobs(c, c.events, c.offsets), finish_reason=c.finish_reason,
+        body.update(logprobs=job.logprobs(c, c.events), finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason, degeneracy=job.degeneracy(c))
         if job.request.return_token_ids:
             body["token_ids"] = c.token_ids
@@ -490,7 +493,7 @@ async def stream(job: Job) -> AsyncIterator[str]:
         finish_reason = choice.finish_reason
         if chat and parser is not None:
             delta = parser.update(choice.text, final=finish)
-            if parser.calls and finish and finish_reason == "stop":
+            if parser.calls and finish and finish_reason == "stop" and not isinstance(choice.stop_reason, str):
                 finish_reason = "tool_calls"
             body["delta"] = {"role": "assistant", **delta} if first else delta
             news = bool(delta)
@@ -504,8 +507,7 @@ async def stream(job: Job) -> AsyncIterator[str]:
             return None
         started.add(choice.index)
         events = choice.take_events()
-        offsets = choice.offsets[len(choice.offsets) - len(events) :] if events else []
-        body.update(logprobs=job.logprobs(choice, events, offsets), finish_reason=finish_reason if finish else None,
+        body.update(logprobs=job.logprobs(choice, events), finish_reason=finish_reason if finish else None,
                     stop_reason=choice.stop_reason if finish else None)
         if req.return_token_ids:
             body["token_ids"] = [e.token_id for e in events]
@@ -523,11 +525,12 @@ async def stream(job: Job) -> AsyncIterator[str]:
                 if on_error and job.degeneracy(choice)["degenerate"]:
                     raise degenerate_error(job, choice)
                 yield sse(chunk(choice, tail, finish=True))
-            # (a choice that hit a stop string is drained silently.) With return_token_ids every token
-            # goes out at once (vLLM does the same), even while its text is held back (a partial UTF-8
-            # character or a possible stop string).
-            elif not choice.stopped and (body := chunk(choice, choice.on_token(event), finish=False)) is not None:
-                yield sse(body)
+            elif not choice.stopped:  # (a choice that hit a stop string is drained silently)
+                # With return_token_ids every token goes out at once (vLLM does the same), even while
+                # its text is held back (a partial UTF-8 character or a possible stop string).
+                body = chunk(choice, choice.on_token(event), finish=False)
+                if body is not None:
+                    yield sse(body)
         if req.include_usage:
             yield sse({**job.header(obj), "choices": [], "usage": job.usage()})
     except ApiError as exc:

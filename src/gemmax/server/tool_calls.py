@@ -377,10 +377,13 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
 class OutputParser:
     """Reasoning / content / tool calls of one choice, from its released text (see the module docstring)."""
 
-    def __init__(self, tokenizer, *, tools: bool, reasoning: bool, skip_special_tokens: bool = True):
-        self.tok, self.tools, self.reasoning = tokenizer, tools, reasoning
+    def __init__(self, tokenizer, *, tools: bool, reasoning: bool, skipped: tuple[str, ...] | None = None):
+        """`skipped`: the special tokens' strings (`TokenTable.special_strings`) when the request skips
+        them, removed from the content with the channel and call markers; None keeps every one."""
+        self.tools, self.reasoning = tools, reasoning
         self.fmt = call_format(tokenizer)
-        self.skip = skip_special_tokens
+        markers = (CHANNEL_OPEN, CHANNEL_CLOSE, G4_CALL_OPEN, G4_CALL_CLOSE)
+        self.skipped = () if skipped is None else tuple(sorted({*skipped, *markers}, key=len, reverse=True))
         self.sent = {"reasoning": "", "content": ""}
         self.reasoning_text, self.content = "", ""
         self.calls: list[tuple[str, str]] = []  # (name, JSON arguments so far) per call, in order
@@ -389,7 +392,6 @@ class OutputParser:
 
     def _split(self, full: str, final: bool) -> None:
         """reasoning_text, content and the calls of the released text so far."""
-        tok = self.tok
         reasoning, rest = "", full
         if self.reasoning and full.lstrip().startswith(CHANNEL_OPEN):
             body = full.lstrip()[len(CHANNEL_OPEN):]
@@ -414,10 +416,8 @@ class OutputParser:
             if G4_CALL_OPEN in tail and not final:  # a call whose name is still arriving: held back
                 tail = tail[: tail.index(G4_CALL_OPEN)]
             rest = "".join(pieces) + tail
-        if self.skip:
-            for marker in (CHANNEL_OPEN, CHANNEL_CLOSE, G4_CALL_OPEN, G4_CALL_CLOSE):
-                rest = rest.replace(marker, "")
-            rest = _strip_specials(rest, tok)
+        for special in self.skipped:  # longest first
+            rest = rest.replace(special, "")
         if self.tools and self.fmt == "gemma3":
             calls = _json_calls(rest) or (_pythonic_calls(rest) if final else None) or []
             stripped = rest.lstrip()
@@ -462,13 +462,3 @@ class OutputParser:
                                  for i, (name, arguments) in enumerate(self.calls)]
         return msg
 
-
-def _strip_specials(text: str, tokenizer) -> str:
-    specials = getattr(tokenizer, "_special_strings", None)
-    if specials is None:
-        added = tokenizer.backend.get_added_tokens_decoder()
-        specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
-        tokenizer._special_strings = specials
-    for s in specials:
-        text = text.replace(s, "")
-    return text
