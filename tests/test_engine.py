@@ -1188,11 +1188,19 @@ def test_a_prefill_chunk_reads_and_writes_what_the_whole_row_would(loaded):
 
 def test_the_wait_queue_is_bounded(engine, monkeypatch):
     """Requests that free slots will take do not wait (the loop may not have placed them yet), so
-    max_batch + 2 enter a queue bounded at 2 (none can finish meanwhile: 400 tokens each); a call of
-    several requests (`submit_all`) at the bound, or with one invalid request, queues none of them."""
+    max_batch + 2 enter a queue bounded at 2 (none can finish meanwhile: decoding is held until the
+    end); a call of several requests (`submit_all`) at the bound, or with one invalid request, queues
+    none of them."""
     from gemmax.engine.api import Admission, InvalidRequest, QueueFull
 
     monkeypatch.setattr(engine, "admission", Admission(2, engine.max_batch))
+    decode, go = engine._decode_dispatch, threading.Event()
+
+    def held_decode() -> None:
+        go.wait(60)
+        decode()
+
+    monkeypatch.setattr(engine, "_decode_dispatch", held_decode)
     handles = []
     with pytest.raises(QueueFull) as info:
         for i in range(engine.max_batch + 20):
@@ -1210,6 +1218,7 @@ def test_the_wait_queue_is_bounded(engine, monkeypatch):
     with pytest.raises(InvalidRequest):
         engine.submit_all([GenerationRequest((5, 3), 4), GenerationRequest((6, 3), 4, SamplingParams(temperature=-1))])
     assert held() == before == engine.max_batch + 2
+    go.set()
     for handle in handles:
         handle.cancel()
         handle.wait()

@@ -4,6 +4,7 @@ their concatenation is the full decode, multi-byte characters and stop strings a
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -122,17 +123,22 @@ def test_held_text_is_flushed_at_the_end():
 def test_opaque_strings_pass_through_and_never_match():
     """With the special tokens' strings opaque, stop strings match on the text without them (here
     "ab" across a marker), never inside them ("<|" is never a match nor held), and the text released
-    keeps them; a marker after held text waits with it, and on a match the cut falls right after the
-    last visible character before the stop string."""
-    opaque = ("<|channel>", "<|tool_call>")
+    keeps them; what is held, or cut, starts at a visible character, so a marker before it is
+    released whatever the deltas' grouping and whichever other stop strings there are."""
+    opaque = re.compile(r"<\|channel>|<\|tool_call>")
     out, stop = feed_all(StopStringMatcher(["<|", "zz"], opaque=opaque), ["x<|channel>y", "<|tool_call>w"])
     assert stop is None and out == ["x<|channel>y", "<|tool_call>w", ""]
     out, stop = feed_all(StopStringMatcher(["ab"], opaque=opaque), ["xa", "<|tool_call>", "b!"])
     assert stop == "ab" and out == ["x", "", ""]
+    for stops in (["abc", "xy"], ["xy"]):
+        out, stop = feed_all(StopStringMatcher(stops, opaque=opaque), ["a", "<|tool_call>", "x", "y"])
+        assert stop == "xy" and "".join(out) == "a<|tool_call>", stops
     out, stop = feed_all(StopStringMatcher(["ab"], include_stop=True, opaque=opaque), ["xa<|tool_call>b<|channel>c"])
     assert stop == "ab" and out == ["xa<|tool_call>b"]
     out, stop = feed_all(StopStringMatcher(["ab"], opaque=opaque), ["xa<|tool_call>", "c"])
     assert stop is None and "".join(out) == "xa<|tool_call>c" and out[0] == "x"
+    out, stop = feed_all(StopStringMatcher(["ab"], opaque=opaque), ["x<|channel>ab"])
+    assert stop == "ab" and out == ["x<|channel>"]
 
 
 def test_validation_message_has_no_pydantic_internals():

@@ -255,7 +255,8 @@ def test_stop_strings_never_match_in_special_tokens(servers, stream):
     """The request skips special tokens (the default), so its stop strings see the answer as the plain
     path's skipping decode shows it: `|`, `<|tool_call>` or `<|channel>` match nothing in a call or a
     thought channel, which parse as without them; `"` matches in the call's text, the content ends
-    before the call, and the answer ends "stop" (the call it cut is not a finished call)."""
+    before the call, and the answer ends "stop" (the call it cut is not complete); a stop string after
+    a complete call leaves it "tool_calls", as vLLM reports an answer whose parser found calls."""
     url, engine, tok = servers["gemma4"]
     call = [("get_weather", {"city": 'Paris, "FR"', "days": 3})]
     for stop in (["|"], ["<|tool_call>"], ["<|channel>", "<|\"|>"]):
@@ -265,12 +266,18 @@ def test_stop_strings_never_match_in_special_tokens(servers, stream):
     choice = _ask(url, engine, tok, G4_ONE, stream=stream, stop=['"'])
     choice = choice[0] if stream else choice
     assert (choice.message.content, choice.finish_reason) == ("Let me look.", "stop")
+    choice = _ask(url, engine, tok, G4_ONE + " Done, more.", stream=stream, stop=["Done"])
+    choice = choice[0] if stream else choice
+    assert (choice.message.content, _calls(choice.message), choice.finish_reason) == ("Let me look. ", call, "tool_calls")
     think = tok.encode("<|channel>thought\nCheck | the sky.<channel|>It is sunny.", add_bos=False)
     engine.script = think
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     message = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400,
-                                             temperature=0, stop=["ky.<", "|"]).choices[0].message
-    assert message.model_extra["reasoning_content"] == "Check " and not message.content  # "ky.<" spans a marker
+                                             temperature=0, stop=["ky.<"]).choices[0].message  # across a marker
+    assert (message.model_extra["reasoning_content"], message.content) == ("Check | the sky.", "It is sunny.")
+    message = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=400,
+                                             temperature=0, stop=["|"]).choices[0].message  # the pipe the text holds
+    assert message.model_extra["reasoning_content"] == "Check " and not message.content
 
 
 def test_an_invalid_byte_run_streams_what_the_answer_holds(servers):

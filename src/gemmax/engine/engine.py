@@ -416,9 +416,12 @@ class BatchEngine:
         with self._lock:
             if self._drained:  # the loop stopped after `ready` was read above: nothing would take it
                 raise EngineNotReady("engine is not ready (shutting down, or its loop failed)")
-            # QueueFull (503 + Retry-After) at the bound; the prompts an admission took and has not
-            # placed yet hold slots that look free
-            self.admission.check(len(self._queue), len(self._free_slots()) - len(self._unplaced(self._admitting)))
+            # QueueFull (503 + Retry-After) at the bound. The slots in use counted from one snapshot
+            # of the placed requests, as `stats` counts them (the loop places requests without the
+            # lock), the prompts an admission took and has not placed yet among them.
+            placed = self._placed()
+            in_use = len(placed) + len(self._unplaced(self._admitting, placed))
+            self.admission.check(len(self._queue), self.max_batch - in_use)
             arrival = time.perf_counter()
             self._queue.extend((handle, arrival) for handle in handles)
             self._lock.notify()

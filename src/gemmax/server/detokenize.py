@@ -36,19 +36,22 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class TokenTable:
     """What the detokenizer needs to know about a vocabulary, computed once per tokenizer:
     `byte_ids` {id: byte} of the `<0xHH>` tokens when the decoder is ByteFallback (else empty),
-    `special_ids`, which decoding with skip_special_tokens drops (so byte runs join across them), and
-    `special_strings`, their texts, longest first."""
+    `special_ids`, which decoding with skip_special_tokens drops (so byte runs join across them),
+    `special_strings`, their texts, longest first, and `special_pattern`, a regex of them (None: none)."""
 
     def __init__(self, tokenizer):
         self.byte_ids: dict[int, int] = {}
         self.special_ids: frozenset[int] = frozenset()
         self.special_strings: tuple[str, ...] = ()
+        self.special_pattern: re.Pattern | None = None
         backend = getattr(tokenizer, "backend", None)
         if backend is None:
             return
         specials = {i: tok.content for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.special_ids = frozenset(specials)
         self.special_strings = tuple(sorted(set(specials.values()), key=len, reverse=True))
+        if self.special_strings:
+            self.special_pattern = re.compile("|".join(map(re.escape, self.special_strings)))
         if backend.decoder is not None and "ByteFallback" in json.dumps(json.loads(backend.decoder.__getstate__())):
             self.byte_ids = {i: int(m.group(1), 16) for tok, i in backend.get_vocab(with_added_tokens=False).items()
                              if (m := _BYTE_TOKEN.fullmatch(tok))}
@@ -131,12 +134,11 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: Sequence[str], include_stop: bool = False, opaque: Sequence[str] = ()):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False, opaque: re.Pattern | None = None):
         self.stops = tuple(stops)
         self._include = include_stop
         self._held = ""
-        # the special tokens' strings, longest first: matched around, never in
-        self._opaque = re.compile("|".join(map(re.escape, opaque))) if opaque else None
+        self._opaque = opaque  # the special tokens' strings (`TokenTable.special_pattern`): matched around, never in
 
     def _visible(self, text: str) -> tuple[str, list[int]]:
         """`text` without the opaque strings, and where each of its characters is in `text`."""
@@ -150,9 +152,10 @@ class StopStringMatcher:
         return "".join(text[i] for i in kept), kept
 
     def feed(self, text: str) -> tuple[str, str | None]:
-        """(text safe to emit, the stop string matched or None). After a match, stop feeding. The
-        text emitted ends right after a visible character (opaque strings after the last one wait
-        with what is held), unless nothing is held."""
+        """(text safe to emit, the stop string matched or None). After a match, stop feeding. What is
+        held, or cut, starts at a visible character: opaque strings before it are emitted (whatever
+        the deltas' grouping), and on a match with include_stop the text ends with the stop string's
+        last character."""
         if not self.stops:
             return text, None
         buf = self._held + text
@@ -160,16 +163,14 @@ class StopStringMatcher:
         hits = [(visible.find(s), -len(s), s) for s in self.stops if s in visible]
         if hits:
             at, _, stop = min(hits)  # earliest match; the longest stop string on a tie
-            end = at + (len(stop) if self._include else 0)  # visible characters kept
             self._held = ""
-            return buf[: where[end - 1] + 1 if end else 0], stop
+            return buf[: where[at + len(stop) - 1] + 1 if self._include else where[at]], stop
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(visible) + 1)) if visible.endswith(s[:k])),
                    default=0)
         if not keep:
             self._held = ""
             return buf, None
-        end = len(visible) - keep
-        cut = where[end - 1] + 1 if end else 0
+        cut = where[len(visible) - keep]
         self._held = buf[cut:]
         return buf[:cut], None
 

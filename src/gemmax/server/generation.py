@@ -294,7 +294,7 @@ class Job:
                 self.choices.append(Choice(
                     index, prompt, handle, IncrementalDetokenizer(tokenizer, req.skip_special_tokens and not parsed, table),
                     StopStringMatcher(req.stop, req.include_stop_str_in_output,
-                                      table.special_strings if parsed and req.skip_special_tokens else ()),
+                                      table.special_pattern if parsed and req.skip_special_tokens else None),
                     req.min_tokens, frozenset(stop_ids)))
                 if parsed:
                     self.parsers[index] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
@@ -452,7 +452,7 @@ async def collect(job: Job) -> dict[str, Any]:
         if chat and parser is not None:
             parser.update(c.text, final=True)
             body["message"] = parser.message()
-            if body["message"].get("tool_calls") and c.finish_reason == "stop" and not isinstance(c.stop_reason, str):
+            if parser.calls_complete and c.finish_reason == "stop":
                 c.finish_reason = "tool_calls"
         elif chat:
             body["message"] = {"role": "assistant", "content": c.text}
@@ -493,7 +493,7 @@ async def stream(job: Job) -> AsyncIterator[str]:
         finish_reason = choice.finish_reason
         if chat and parser is not None:
             delta = parser.update(choice.text, final=finish)
-            if parser.calls and finish and finish_reason == "stop" and not isinstance(choice.stop_reason, str):
+            if finish and parser.calls_complete and finish_reason == "stop":
                 finish_reason = "tool_calls"
             body["delta"] = {"role": "assistant", **delta} if first else delta
             news = bool(delta)

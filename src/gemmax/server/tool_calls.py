@@ -451,6 +451,19 @@ class OutputParser:
             delta["tool_calls"] = pieces
         return delta
 
+    @property
+    def calls_complete(self) -> bool:
+        """Whether the answer holds calls and every one is complete (its arguments whole JSON): the
+        answer then ends "tool_calls", as vLLM's does when its parser found calls. A call a stop
+        string or max_tokens cut is reported as written so far (streamed, its pieces already went
+        out), and its answer keeps its own finish reason."""
+        if not self.calls:
+            return False
+        try:
+            return all(isinstance(json.loads(arguments), dict) for _, arguments in self.calls)
+        except ValueError:
+            return False
+
     def message(self) -> dict[str, Any]:
         """The non-streamed assistant message (after `update(text, final=True)`)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
