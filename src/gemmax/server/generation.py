@@ -279,7 +279,8 @@ class Job:
                 max_tokens=max(engine.max_model_len - len(prompt.ids), 1) if wanted is None else wanted,
                 sampling=sampling_params(req, None if req.seed is None else req.seed + j), stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=req.engine_logprobs,
-                fit_to_context=wanted is None, constraint=constraint, cache_salt=req.cache_salt, speculative=speculative))
+                fit_to_context=wanted is None, constraint=constraint, cache_salt=req.cache_salt,
+                speculative=speculative))
             for prompt in self.prompts for j in range(req.n)]  # choice index p * n + j
         try:
             handles = engine.submit_all([gen for _, gen in requests], loop)
@@ -289,16 +290,17 @@ class Job:
                 raise mapped from exc
             raise
         parsed = tools or reasoning
+        skipped = req.skip_special_tokens
         try:
             for index, ((prompt, _), handle) in enumerate(zip(requests, handles, strict=True)):
                 self.choices.append(Choice(
-                    index, prompt, handle, IncrementalDetokenizer(tokenizer, req.skip_special_tokens and not parsed, table),
+                    index, prompt, handle, IncrementalDetokenizer(tokenizer, skipped and not parsed, table),
                     StopStringMatcher(req.stop, req.include_stop_str_in_output,
-                                      table.special_pattern if parsed and req.skip_special_tokens else None),
+                                      table.special_pattern if parsed and skipped else None),
                     req.min_tokens, frozenset(stop_ids)))
                 if parsed:
                     self.parsers[index] = OutputParser(tokenizer, tools=tools, reasoning=reasoning,
-                                                       skipped=table.special_strings if req.skip_special_tokens else None)
+                                                       skipped=table.special_strings if skipped else None)
         except BaseException:
             for handle in handles:  # queued already: their slots must not run for nobody
                 handle.cancel()

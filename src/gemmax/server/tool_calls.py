@@ -426,10 +426,11 @@ class OutputParser:
         self.reasoning_text, self.content, self.calls = reasoning, rest, calls
 
     def update(self, text: str, final: bool = False) -> dict[str, Any]:
-        """What is new in the choice's released text (special tokens kept) since the last call: {"reasoning_content": str, "content": str,
-        "tool_calls": [...]} (only the keys with something new). A call's first entry carries its
-        index, id, type and name with the arguments so far; later entries only arguments pieces
-        (`{"index", "function": {"arguments"}}`), as vLLM streams them."""
+        """What is new in the choice's released text (special tokens kept) since the last call:
+        {"reasoning_content": str, "content": str, "tool_calls": [...]} (only the keys with something
+        new). A call's first entry carries its index, id, type and name with the arguments so far;
+        later entries only arguments pieces (`{"index", "function": {"arguments"}}`), as vLLM streams
+        them."""
         self._split(text, final)
         delta: dict[str, Any] = {}
         for key, part in (("reasoning", self.reasoning_text), ("content", self.content)):
