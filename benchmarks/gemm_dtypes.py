@@ -8,7 +8,7 @@ projections (640 -> 1024, 640 -> 2048, 2048 -> 640), and the same and the LM hea
 at 8 rows, a batch-8 decode step's. Per shape, bfloat16 x bfloat16 -> float32 and int8 x int8 ->
 int32, one jitted product each, in two orientations: the activation on the left (`x @ W`, W [K, N])
 and the weight on the left (`W @ x.T`, W [N, K], the form gemmax's linear layers use from 8 rows on
-CPU: README, "32-row products with the weight on the left"). Each call is waited for on its own, so
+CPU: docs/measurements.md, "32-row products with the weight on the left"). Each call is waited for on its own, so
 an 8-row product's time includes one dispatch (tens of microseconds), which pulls its ratios toward
 1; the same matrix is read by every call, so it may stay in cache where a decode step reads it from
 memory. Rounds interleave the cases; median ms over the calls of every round, and the rate (2 M K N

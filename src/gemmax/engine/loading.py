@@ -93,7 +93,7 @@ def start_engine(model: str | None, dtype: str | None, quant: QuantOptions | Non
     `gemma4_assistant`, loaded unquantised in the target's weight dtype), build the batching engine
     and start its warm-up (in the engine's thread; it reports ready when done), then read the tokenizer
     of an HF directory while the warm-up runs: its parse holds the GIL for 1.1-1.4 s (the built-in
-    model's), the warm-up's program runs do not, so it saves a start up to that much (README,
+    model's), the warm-up's program runs do not, so it saves a start up to that much (docs/measurements.md,
     "The tokenizer beside the warm-up"). With a draft model the engine reads both tokenizers before it
     starts (`check_draft`), so nothing overlaps. A tokenizer that fails to load shuts the engine down (a
     warm-up in progress is not interrupted: it runs on in its daemon thread) and `serve` then exits, now

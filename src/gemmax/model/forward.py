@@ -274,7 +274,7 @@ def _attend_past(q: jax.Array, past: _RowsPast, own: Keys, batch: _Batch, window
     (`batch.past_index`) as `_attend_step` chooses its own. With a tuple, a chunk with nothing cached
     (every real row's start 0: a prompt's first chunk) takes a branch that reads no past
     (`past_bounds`): the smallest bound's slots would all be masked, and on the built-in model they
-    cost 15% of a 521-token TTFT (README, "A first chunk that reads no past, ..."). A ring's past is
+    cost 15% of a 521-token TTFT (docs/measurements.md, "A first chunk that reads no past, ..."). A ring's past is
     read out before the chunk's write (`_attention`), so no branch reads what the write changed."""
 
     def within(size: int) -> jax.Array:
