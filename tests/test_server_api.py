@@ -131,6 +131,19 @@ def test_seeds_and_n(client, server):
     d = client.completions.create(**kwargs, n=1, seed=99)
     assert d.choices[0].text not in texts
 
+    # the last choice's seed is seed + n - 1: past the int64 range the request is refused for that,
+    # naming the seed and n it was given, and nothing is queued
+    before = len(engine.submitted)
+    top = 2**63 - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**kwargs, n=2, seed=top)
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["param"] == "seed"
+    assert f"got seed {top} with n 2" in error["message"] and "seed + n - 1" in error["message"]
+    assert len(engine.submitted) == before
+    e = client.completions.create(**kwargs, n=2, seed=top - 1)  # seeds top - 1 and top: in range
+    assert [r.sampling.seed for r in engine.submitted[before:]] == [top - 1, top] and len(e.choices) == 2
+
 
 def test_n_streaming_chat(client):
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, n=3, stream=True,

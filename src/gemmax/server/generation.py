@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gemmax.engine.api import (
+    INT64,
     Constraint,
     EngineNotReady,
     GenerationRequest,
@@ -273,6 +274,9 @@ class Job:
             constraint = tool_constraint(req.tools, req.tool_choice, call_format(tokenizer), tokenizer)
         reasoning = self.kind == "chat" and has_thought_channel(tokenizer)
         speculative = None if req.speculative is None else Speculation(**req.speculative)
+        if req.seed is not None and req.seed + req.n - 1 >= INT64:  # else the engine's error quotes seed + j
+            raise bad_request(f"seed: choice j of n samples with seed + j, so seed + n - 1 must be at most {INT64 - 1}; "
+                              f"got seed {req.seed} with n {req.n}", "seed")
         requests = [
             (prompt, GenerationRequest(
                 prompt_ids=tuple(prompt.ids),
