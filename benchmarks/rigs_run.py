@@ -12,9 +12,9 @@ built-in tokenizer beside it so every rig counts and detokenizes the same ids). 
    checkpoint: `prompt_ids_match`, `agree_prefix` (leading tokens equal to the reference) and the
    degeneracy verdict (gemmax.engine.degeneracy). A rig whose output is degenerate where the
    reference's is not is reported as such and not timed;
-3. the sweep: inputs 41 / 521 / 2057 tokens at concurrency 1 (`--repeats` measured requests after a
-   warm-up request) and at concurrency 8 (`--repeats-batched` measured rounds of 8 after a warm-up
-   round), 64 forced output tokens (ignore_eos + min_tokens), greedy;
+3. the sweep: inputs 41 / 521 / 2057 tokens at each `--concurrency` level (default 1 and 8): at 1,
+   `--repeats` measured requests after a warm-up request; at the others, `--repeats-batched` measured
+   rounds after a warm-up round; 64 forced output tokens (ignore_eos + min_tokens), greedy;
 4. for each `--sampling` setting, at `--sampled-input-lens`: a greedy sweep, then the same sweep
    with that sampling (the result's `sampled` list, each entry with its `greedy_cells`), so every
    sampled figure has a greedy one measured just before it in the same server process;
@@ -186,21 +186,30 @@ def bench_rig(model: str, path: Path, name: str, args: argparse.Namespace, refer
 
 
 def sweep_levels(url: str, name: str, args: argparse.Namespace, input_lens: tuple[int, ...], sampling) -> dict:
-    """One sweep result over the concurrency levels (each with its own repeats) at these inputs."""
+    """One sweep result over every `--concurrency` level, one sweep per level (`--repeats` measured
+    requests at c=1, `--repeats-batched` measured rounds at the others), merged: the cells of all,
+    the server's state before the first and after the last (the degenerate-response delta over all of
+    them), each level's config and probe under `parts`."""
     result = None
-    for concurrency, repeats in ((1, args.repeats), (8, args.repeats_batched)):
-        if concurrency not in args.concurrency:
-            continue
+    for concurrency in sorted(set(args.concurrency)):
+        repeats = args.repeats if concurrency == 1 else args.repeats_batched
         config = SweepConfig(base_url=url, input_lens=input_lens, output_len=args.output_len, repeats=repeats,
                              concurrency=(concurrency,), label=name, decode_source="stream", sampling=sampling)
         part = run_sweep(config)
+        level = {"concurrency": concurrency, "config": part["config"], "probe": part["probe"]}
         if result is None:
-            result = part
+            result = {**part, "parts": [level]}
         else:
             result["cells"] += part["cells"]
+            result["parts"].append(level)
             result["finished"] = part["finished"]
-            result["server"]["health_after"] = part["server"]["health_after"]
+            server, last = result["server"], part["server"]
+            for key in ("health_after", "precision_after", "degenerate_responses_after"):
+                server[key] = last[key]
+            before, after = server["degenerate_responses_before"], server["degenerate_responses_after"]
+            server["degenerate_responses_delta"] = None if before is None or after is None else after - before
         print(f"[{name}] {sampling_name(sampling)} c={concurrency} done", file=sys.stderr)
+    result["config"] = {**result["config"], "concurrency": sorted(set(args.concurrency))}
     return result
 
 
@@ -276,7 +285,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=ints, default=(1, 8))
     parser.add_argument("--repeats", type=int, default=4, help="measured requests per cell at concurrency 1")
-    parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds of 8 at concurrency 8")
+    parser.add_argument("--repeats-batched", type=int, default=1, help="measured rounds at each concurrency above 1")
     parser.add_argument("--sampling", type=lambda text: tuple(parse_sampling(t) for t in text.split(";") if t.strip()),
                         default=tuple(parse_sampling(t) for t in SAMPLINGS),
                         help="';'-separated sampling settings (name=value,...), each measured after its own greedy "

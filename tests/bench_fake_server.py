@@ -31,6 +31,8 @@ class Script:
     empty_first_chunk: float | None = None  # send a chunk with empty text this long after arrival
     fail_after: int | None = None  # break the connection after this many token chunks
     error_event_after: int | None = None  # send an in-band error event after this many chunks
+    raw_event: str | None = None  # with raw_event_after: this SSE data sent as it is (a malformed event)
+    raw_event_after: int | None = None
     status: int = 200  # non-200: answer with an error body instead of a stream
     tokens_per_chunk: int = 1
     report_usage: bool = True
@@ -151,6 +153,8 @@ class FakeServer:
                 deadline += gaps[k - 1]
             if script.fail_after is not None and k == script.fail_after:
                 raise RuntimeError("scripted connection failure")
+            if script.raw_event_after is not None and k == script.raw_event_after:
+                yield f"data: {script.raw_event}\n\n"
             if script.error_event_after is not None and k == script.error_event_after:
                 yield "data: " + json.dumps({"error": {"message": "scripted engine error"}}) + "\n\n"
                 return

@@ -86,7 +86,7 @@ def test_compare_uses_wire_figures_across_rigs(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
-def test_compare_warns_on_mixed_precision_and_rejects_foreign_files(tmp_path):
+def test_compare_warns_on_mixed_precision_or_sampling_and_rejects_foreign_files(tmp_path):
     a = tmp_path / "a.json"
     run_bench(FakeServer(Script(ttft=0.005, itl=0.002)), a, "--label", "x")
     run = load_run(a)
@@ -96,6 +96,11 @@ def test_compare_warns_on_mixed_precision_and_rejects_foreign_files(tmp_path):
     assert not any("WARNING" in n for n in compare_runs([run, json.loads(json.dumps(run))]).notes)
     assert any("mixes precisions" in n for n in compare_runs([run, other]).notes)
     assert "mixes precisions" in to_markdown(compare_runs([run, other]))
+    sampled = json.loads(json.dumps(run))
+    sampled["sampling"] = "temperature=1.0,top_k=40"
+    notes = compare_runs([run, sampled]).notes
+    assert any("WARNING: the runs sample differently (greedy, temperature=1.0,top_k=40)" in n for n in notes)
+    assert any(n.startswith("x #2: ") and "sampling temperature=1.0,top_k=40" in n for n in notes)
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps({"completed": 3}))
     result = runner.invoke(app, ["bench", "compare", str(a), str(foreign)])
@@ -125,3 +130,29 @@ def test_ttft_in_tables_is_the_json_lines_median_over_every_request():
     comparison = compare_runs(runs)
     assert comparison.rows[0][comparison.columns.index("a TTFT ms")] == "100.0 (10.0-100.0)"
     assert any("median over every measured request" in note for note in comparison.notes)
+
+
+def test_decode_rate_is_one_over_the_tpot_column_at_any_concurrency():
+    """Two rounds of two concurrent requests, one decoding at 10 ms a token and one at 30: each round's
+    median rate would be the mean of 100 and 33.3 tok/s (66.7), while its median TPOT is 20 ms. The
+    decode column (and the JSON line) is 1 / the TPOT column's median: 50 tok/s, rounds 50-50; the
+    gauge column is the median of every request's gauge."""
+    cfg = SweepConfig(base_url="http://unused", input_lens=(8,), output_len=11, repeats=2, concurrency=(2,))
+
+    def record(itl: float) -> RequestRecord:
+        return RequestRecord(8, 11, success=True, ttft=0.05, latency=0.05 + 10 * itl, itl=[itl] * 10,
+                             counted_tokens=11, usage={"decode_tokens_per_second": 1 / itl})
+
+    rounds = [[record(0.01), record(0.03)], [record(0.01), record(0.03)]]
+    cell = summarize_cell(cfg, 8, 2, None, "both", [], rounds, duration=1.0)
+    assert cell["median_tpot_ms"] == pytest.approx(20.0)
+    assert cell["decode_tok_s"] == pytest.approx(1000 / cell["median_tpot_ms"]) == cell["stream"]["median"]
+    assert cell["stream"]["min"] == cell["stream"]["max"] == pytest.approx(50.0)
+    assert cell["stream"]["round_median"] == pytest.approx(50.0) and cell["stream"]["spread"] == 0
+    assert cell["gauge"]["median"] == pytest.approx((100 + 100 / 3) / 2)  # median of 100, 33.3, 100, 33.3
+    assert fmt_range(cell["stream"]) == "50.0 (50.0-50.0)"
+    result = {"label": "x", "model": "m", "decode_source": "both", "prompt_mode": "ids", "cells": [cell]}
+    assert json.loads(summary_line(result))["cells"][0]["decode_tok_s"] == pytest.approx(50.0)
+    console = Console(width=250, record=True)
+    console.print(run_table(result))
+    assert "decode tok/s (wire) = 1 / TPOT ms" in console.export_text()

@@ -96,8 +96,9 @@ async def test_warmup_records_are_excluded_from_medians():
         assert cell["completed"] == len(measured)
         assert max(measured) < 300 and cell["ttft"]["max"] < 300
         assert cell["stream"]["min"] > 1000 / 40 * 2  # no slow (25 tok/s) request in the stats
-        if c == 1:  # the first request of each new shape was the warm-up
+        if c == 1 and cell["input_len"] == 16:  # the first request of each new shape was the warm-up
             assert cell["warmup"][0]["ttft_ms"] >= 300
+    assert result["probe"]["ttft_ms"] >= 300  # the probe asks the first cell's shape (8 in, 5 out) first
 
 
 async def test_exact_input_counts_with_the_servers_tokenizer(bpe):
@@ -203,3 +204,57 @@ async def test_vllm_field_names():
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "std", "p99"):
             assert isinstance(cell[f"{stat}_{metric}_ms"], float)
+
+
+async def test_the_probe_asks_no_more_tokens_than_the_sweep():
+    """A server whose context holds the sweep's requests (8 + 4 tokens) but not 8 + 8: the probe asks
+    for the sweep's 4, so the sweep runs, forced."""
+    server = FakeServer(lambda served, n: Script(ttft=0.005, itl=0.002, status=400 if served.body["max_tokens"] > 4 else 200))
+    result = await sweep(server, input_lens=(8,), output_len=4, repeats=1)
+    assert result["forced_output"] is True and result["cells"][0]["completed"] == 1
+    assert {s.body["max_tokens"] for s in server.served} == {4}
+
+
+async def test_an_unreachable_server_or_a_refused_model_list_says_so():
+    from gemmax.rigs.registry import free_port
+
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    for model in (None, "m"):
+        with pytest.raises(RuntimeError, match=f"cannot reach {dead}/v1/models"):
+            await Sweep(SweepConfig(base_url=dead, model=model, input_lens=(8,), output_len=2, repeats=1)).run()
+    server = FakeServer(Script())
+
+    @server.app.middleware("http")
+    async def refuse(request, call_next):  # a server that wants a key
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": "no key"}}, status_code=401)
+
+    with pytest.raises(RuntimeError, match=r"/v1/models answered HTTP 401 \(check --api-key\)"):
+        await sweep(server, model="m", input_lens=(8,), output_len=2, repeats=1)
+
+
+async def test_a_server_gone_between_cells_keeps_the_measured_cells(bpe):
+    """Text prompts are counted by the server's /tokenize before each cell: when it stops answering
+    after the first cell, the sweep ends with `aborted` and the first cell kept."""
+    from gemmax.bench.sweep import SweepAborted
+
+    server = FakeServer(Script(ttft=0.005, itl=0.002), tokenizer=bpe)
+    sent = []
+
+    def on_request(record):
+        sent.append(record)
+        if len(sent) == 3:  # probe, warm-up and the one measured request of the first cell
+            server.tokenize_endpoint = False
+
+    await server.start()
+    try:
+        with pytest.raises(SweepAborted) as stopped:
+            await Sweep(SweepConfig(base_url=server.base_url, input_lens=(41, 97), output_len=4, repeats=1),
+                        on_request).run()
+    finally:
+        await server.stop()
+    result = stopped.value.result
+    assert [c["input_len"] for c in result["cells"]] == [41] and result["cells"][0]["completed"] == 1
+    assert result["aborted"].startswith("the sweep stopped after 1 of 2 cells: HTTPStatusError")
+    assert result["server"]["health_after"] is not None  # the end of the run is still recorded

@@ -146,3 +146,13 @@ async def test_failed_requests_stay_in_the_cell(concurrency):
     assert cell["failed"] == len(failed) > 0 and cell["completed"] == total - len(failed)
     assert sum(1 for e in cell["errors"] if e) == len(failed)
     assert any("failed" in flag for flag in cell["flags"])
+
+
+@pytest.mark.parametrize("raw", ["null", "[1, 2]", "42", '{"choices": "x"}', '{"choices": [7]}'])
+async def test_an_event_that_is_not_a_chunk_object_fails_only_its_request(raw):
+    """A stream event whose JSON is not an object with a list of choice objects is that request's
+    failure (recorded with its partial timings), not an exception that ends the sweep."""
+    record, _, _ = await timed(Script(ttft=0.010, itl=0.010, raw_event=raw, raw_event_after=2), max_tokens=6,
+                               attempts=1)
+    assert not record.success and record.error.startswith("malformed event") and raw in record.error
+    assert record.counted_tokens == 2

@@ -77,3 +77,26 @@ def test_each_sampled_setting_follows_its_own_greedy_sweep(monkeypatch, tmp_path
                       ((41,), "top_k=40")]
     assert [(part["greedy_cells"], part["cells"]) for part in result["sampled"]] == [
         (["cells 2"], ["cells 3"]), (["cells 4"], ["cells 5"])]
+
+
+def test_sweep_levels_measures_every_concurrency_and_keeps_the_last_servers_state():
+    """Every `--concurrency` level is swept (not only 1 and 8), each with its own repeats; the merged
+    result's degenerate-response counter is the server's after the last level, its delta over all of
+    them, and each level's config stays under `parts`."""
+    from argparse import Namespace
+
+    from bench_fake_server import FakeServer, Script
+
+    server = FakeServer(Script(ttft=0.002, itl=0.001), degenerate_every=1)  # every completion counted degenerate
+    args = Namespace(concurrency=(4, 1, 2), repeats=2, repeats_batched=1, output_len=3)
+    with server.in_thread():
+        result = rigs_run.sweep_levels(server.base_url, "fake", args, (8,), ())
+    assert [c["concurrency"] for c in result["cells"]] == [1, 2, 4]
+    assert [len(c["requests"]) for c in result["cells"]] == [2, 2, 4]
+    assert [(p["concurrency"], p["config"]["repeats"]) for p in result["parts"]] == [(1, 2), (2, 1), (4, 1)]
+    assert result["config"]["concurrency"] == [1, 2, 4]
+    served = len(server.served)  # probes, warm-ups and measured requests of the three sweeps
+    assert served == 3 + (1 + 2) + (2 + 2) + (4 + 4)
+    server_state = result["server"]
+    assert server_state["degenerate_responses_before"] == 0
+    assert server_state["degenerate_responses_after"] == server_state["degenerate_responses_delta"] == served

@@ -57,11 +57,12 @@ def bench(
         base_url = "http://localhost"
     if base_url is None:
         raise typer.BadParameter("--base-url is required (or use `gemmax bench compare A.json B.json`)")
+    import httpx
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gemmax.bench.report import print_run, summary_line, write_json
-    from gemmax.bench.sweep import SweepConfig, parse_sampling, run_sweep
+    from gemmax.bench.sweep import SweepAborted, SweepConfig, parse_sampling, run_sweep
 
     try:
         config = SweepConfig(
@@ -82,20 +83,26 @@ def bench(
             status = "ok" if record.success else "FAILED"
             progress.update(task, advance=1, description=f"input {record.input_len}: {status}")
 
+        aborted = None
         try:
             result = run_sweep(config, on_request)
-        except (RuntimeError, ValueError) as exc:
+        except SweepAborted as exc:  # the cells measured before it are kept, printed and written
+            result, aborted = exc.result, exc
+        except (RuntimeError, ValueError, httpx.HTTPError) as exc:
             console.print(f"[red]bench failed:[/red] {exc}")
             raise typer.Exit(1) from exc
     print_run(result)
     if out is not None:
         write_json(result, out)
         console.print(f"wrote {out}")
-    if plot is not None:
+    if plot is not None and result["cells"]:
         from gemmax.bench.plots import plot_runs
 
         console.print(f"wrote {plot_runs([result], plot)}")
     typer.echo(summary_line(result))
+    if aborted is not None:
+        console.print(f"[red]bench aborted:[/red] {aborted}")
+        raise typer.Exit(1)
 
 
 @bench_app.command()

@@ -37,6 +37,10 @@ def _median(stats: dict[str, Any] | None) -> float | None:
     return stats["median"] if stats else None
 
 
+def _sampling(run: dict[str, Any]) -> str:
+    return run.get("sampling") or "greedy"  # files written before the harness had --sampling: greedy
+
+
 def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
     if len(runs) < 2:
         raise ValueError("compare needs at least two result files")
@@ -83,8 +87,8 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
         row += [fmt(cells[i].get("cost_per_million_output_tokens"), 3) if cells[i] else "-" for i in priced]
         rows.append(row)
 
-    notes = [f"tok/s = wire decode rate of a request (1 / TPOT, as vllm bench serve), median (min-max) over "
-             f"repeats; out tok/s = output tokens of the whole cell / its duration (what several users get "
+    notes = [f"tok/s = wire decode rate, 1 / the median TPOT over every measured request (as vllm bench "
+             f"serve), with the lowest and highest round's in parentheses; out tok/s = output tokens of the whole cell / its duration (what several users get "
              f"together: a server that runs one request at a time keeps a high per-request rate and queues "
              f"the rest in TTFT); {TTFT_NOTE}; ratios against {base}."]
     if gauged:
@@ -93,7 +97,7 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
                      "run-to-run spread.")
     for label, run in zip(labels, runs, strict=True):
         server = run["server"]
-        notes.append(f"{label}: model {run['model']}, prompts {run['prompt_mode']}, "
+        notes.append(f"{label}: model {run['model']}, prompts {run['prompt_mode']}, sampling {_sampling(run)}, "
                      f"output forced {run['forced_output']}, precision {server['precision_before']}, "
                      f"degenerate responses {server['degenerate_responses_before']} -> "
                      f"{server['degenerate_responses_after']}")
@@ -101,6 +105,10 @@ def compare_runs(runs: list[dict[str, Any]]) -> Comparison:
     if len(dtypes) > 1:
         notes.append(f"WARNING: the rigs report different {'/'.join(PRECISION_KEYS)} dtypes; "
                      "the comparison mixes precisions.")
+    samplings = {_sampling(run) for run in runs}
+    if len(samplings) > 1:
+        notes.append(f"WARNING: the runs sample differently ({', '.join(sorted(samplings))}); a sampled rate is "
+                     "a claim apart from a greedy one, and their ratios compare sampling settings, not rigs.")
     unheld = [label for label, run in zip(labels, runs, strict=True)
               if any(c.get("output_len_verified") is False for c in run["cells"])]
     if unheld:

@@ -15,7 +15,8 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def fmt_range(stats: dict[str, Any] | None, digits: int = 1) -> str:
-    """'12.3 (12.1-12.6)': median with min-max across repeats."""
+    """'12.3 (12.1-12.6)': the figure (a cell's: over every measured request) with the lowest and
+    highest round's."""
     if not stats:
         return "-"
     if stats["n"] == 1:
@@ -35,7 +36,8 @@ def fmt_ttft(cell: dict[str, Any]) -> str:
 
 
 TTFT_NOTE = ("TTFT ms = median over every measured request (the JSON line's median_ttft_ms, as vllm bench "
-             "serve), in parentheses the lowest and highest round median")
+             "serve); decode tok/s (wire) = 1 / TPOT ms; gauge and gauge/wire = medians over every measured "
+             "request; in parentheses the lowest and highest round's figure")
 
 
 def load_level(cell: dict[str, Any]) -> str:
@@ -91,13 +93,14 @@ def print_run(result: dict[str, Any], console: Console | None = None) -> None:
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    """One JSON line: the headline figures of every cell."""
+    """One JSON line: the headline figures of every cell (and `aborted`, for a sweep that stopped)."""
     return json.dumps({
         "label": result["label"], "model": result["model"], "decode_source": result["decode_source"],
         "cells": [{"input_len": c["input_len"], "concurrency": c["concurrency"],
                    "request_rate": c["request_rate"], "completed": c["completed"], "failed": c["failed"],
                    "decode_tok_s": c["decode_tok_s"], "median_ttft_ms": c["median_ttft_ms"],
                    "output_throughput": c["output_throughput"]} for c in result["cells"]],
+        **({"aborted": result["aborted"]} if result.get("aborted") else {}),
     })
 
 

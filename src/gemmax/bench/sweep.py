@@ -146,6 +146,15 @@ async def degenerate_count(client: httpx.AsyncClient) -> float | None:
         return None
 
 
+class SweepAborted(RuntimeError):
+    """The server stopped answering between requests (a connection refused while building prompts):
+    `result` holds the cells measured before, with `aborted` saying where it stopped."""
+
+    def __init__(self, message: str, result: dict[str, Any]):
+        super().__init__(message)
+        self.result = result
+
+
 class Sweep:
     def __init__(self, config: SweepConfig, on_request: Callable[[RequestRecord], None] | None = None):
         self.config = config
@@ -198,14 +207,16 @@ class Sweep:
         return list(records), perf_counter() - start
 
     async def _probe(self, client: httpx.AsyncClient) -> RequestRecord:
-        """One small request: are the vLLM extensions accepted (else retried without them), and does
-        the server report a gauge?"""
+        """One small request (the shortest input, at most PROBE_OUTPUT tokens out): are the vLLM
+        extensions accepted (else retried without them; a refusal of both fails the sweep with the
+        server's answer), and does the server report a gauge?"""
         n = min(self.config.input_lens)
+        output = min(PROBE_OUTPUT, self.config.output_len)  # what fits the sweep's requests fits the probe
         (prompt,) = await self._prompts(n, 1)
-        record = await self._one(client, prompt, n, PROBE_OUTPUT)
+        record = await self._one(client, prompt, n, output)
         if not record.success and record.http_status in (400, 422):
             self.forced = False
-            record = await self._one(client, prompt, n, PROBE_OUTPUT)
+            record = await self._one(client, prompt, n, output)
         if not record.success:
             raise RuntimeError(f"probe request failed: {record.error}")
         return record
@@ -218,7 +229,13 @@ class Sweep:
         transport = httpx.AsyncHTTPTransport(uds=str(cfg.uds), limits=limits) if cfg.uds is not None else None
         async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
                                      transport=transport, timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
-            models = await _get_json(client, "/v1/models") or {}
+            models = await _get_json(client, "/v1/models")
+            if models is None:
+                raise RuntimeError(f"cannot reach {cfg.base_url}/v1/models (no connection, or its answer is not JSON)")
+            status = models.get("status_code")
+            if status in (401, 403) or (status is not None and cfg.model is None):
+                hint = " (check --api-key)" if status in (401, 403) else ": pass --model"
+                raise RuntimeError(f"{cfg.base_url}/v1/models answered HTTP {status}{hint}")
             entries = models.get("data") or [{}]
             entry = next((e for e in entries if e.get("id") == cfg.model), entries[0])
             if self.model is None:
@@ -238,13 +255,17 @@ class Sweep:
             elif source in ("gauge", "both") and probe.gauge is None:
                 raise RuntimeError(f"decode source {source!r}: the server reports no "
                                    "usage.decode_tokens_per_second (use --decode-source stream)")
-            cells = []
-            for input_len in cfg.input_lens:
-                for concurrency, rate in cfg.load_levels():
-                    cells.append(await self._cell(client, input_len, concurrency, rate, source))
+            cells, aborted = [], None
+            try:
+                for input_len in cfg.input_lens:
+                    for concurrency, rate in cfg.load_levels():
+                        cells.append(await self._cell(client, input_len, concurrency, rate, source))
+            except httpx.HTTPError as exc:  # a request's own failure is recorded; this is the server gone
+                planned = len(cfg.input_lens) * len(cfg.load_levels())
+                aborted = f"the sweep stopped after {len(cells)} of {planned} cells: {type(exc).__name__}: {exc}"
             health_after = await _get_json(client, "/health")
             degenerate_after = await degenerate_count(client)
-        return {
+        result = {
             "schema": SCHEMA,
             "label": cfg.label or f"{self.model}@{cfg.uds or httpx.URL(cfg.base_url).netloc.decode()}",
             "base_url": cfg.base_url,
@@ -270,7 +291,11 @@ class Sweep:
             },
             "probe": probe.to_json(),
             "cells": cells,
+            "aborted": aborted,
         }
+        if aborted is not None:
+            raise SweepAborted(aborted, result)
+        return result
 
     async def _cell(self, client: httpx.AsyncClient, input_len: int, concurrency: int | None,
                     rate: float | None, source: str) -> dict[str, Any]:
@@ -296,24 +321,38 @@ def _median_of(values: list[float]) -> float | None:
 def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, rate: float | None,
                    source: str, warmup: list[RequestRecord], rounds: list[list[RequestRecord]],
                    duration: float) -> dict[str, Any]:
-    """One cell's JSON: vLLM's metrics over the measured requests (warm-up excluded), then per-repeat
-    medians of the decode figures summarised as median / min / max across repeats."""
+    """One cell's JSON: vLLM's metrics over the measured requests (warm-up excluded), then the decode
+    figures, each as its median over every measured request with the lowest and highest round's
+    figure beside it (`_over_requests`). The wire rate is 1 / TPOT: 1 / the median TPOT of the cell
+    (the table's TPOT column) and of each round, not a median of per-request rates: at c=2 a round's
+    median rate is the mean of its two requests' rates, which is not 1 / their median TPOT."""
     measured = [r for rnd in rounds for r in rnd]
-    per_repeat: dict[str, list[float]] = {"stream": [], "gauge": [], "ratio": [], "ttft_ms": []}
-    for rnd in rounds:
-        ok = [r for r in rnd if r.success]
-        stream = [r.decode_tok_s for r in ok if r.decode_tok_s]
-        gauges = [r.gauge for r in ok if r.gauge is not None]
-        ratios = [r.gauge / r.decode_tok_s for r in ok if r.gauge is not None and r.decode_tok_s]
-        for key, values in (("stream", stream), ("gauge", gauges), ("ratio", ratios),
-                            ("ttft_ms", [r.ttft * 1000.0 for r in ok])):
-            med = _median_of(values)
-            if med is not None:
-                per_repeat[key].append(med)
-    stream_stats = spread_stats(per_repeat["stream"])
+
+    def figures(records: list[RequestRecord]) -> dict[str, float | None]:
+        ok = [r for r in records if r.success]
+        tpot = _median_of([r.tpot for r in ok if r.tpot])
+        return {"stream": 1.0 / tpot if tpot else None,
+                "gauge": _median_of([r.gauge for r in ok if r.gauge is not None]),
+                "ratio": _median_of([r.gauge / r.decode_tok_s for r in ok if r.gauge is not None and r.decode_tok_s]),
+                "ttft_ms": _median_of([r.ttft * 1000.0 for r in ok])}
+
+    per_round = [figures(rnd) for rnd in rounds]
+    overall = figures(measured)
+
+    def _over_requests(key: str) -> dict[str, Any] | None:
+        """spread_stats of the rounds' figures, its median the figure over every measured request (the
+        round median is kept as `round_median`); the spread is the rounds' range over that figure."""
+        stats = spread_stats([f[key] for f in per_round if f[key] is not None])
+        if stats is None or overall[key] is None:
+            return stats
+        median = overall[key]
+        return {**stats, "round_median": stats["median"], "median": median,
+                "spread": (stats["max"] - stats["min"]) / median if median else None}
+
+    stream_stats = _over_requests("stream")
     all_gauges = [r.gauge for r in measured if r.success and r.gauge is not None]
-    gauge_stats = spread_stats(per_repeat["gauge"]) if source in ("gauge", "both") else None
-    ratio_stats = spread_stats(per_repeat["ratio"]) if source == "both" else None
+    gauge_stats = _over_requests("gauge") if source in ("gauge", "both") else None
+    ratio_stats = _over_requests("ratio") if source == "both" else None
     resolution = None
     if gauge_stats is not None and all_gauges:
         # one repeat has no run-to-run spread (its 0 would flag any gauge, however fine)
@@ -354,7 +393,7 @@ def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, ra
         "gauge": gauge_stats,
         "ratio": ratio_stats,
         "gauge_resolution": resolution,
-        "ttft": spread_stats(per_repeat["ttft_ms"]),
+        "ttft": spread_stats([f["ttft_ms"] for f in per_round if f["ttft_ms"] is not None]),
         "output_len_verified": output_ok,
         "input_len_verified": input_ok,
         "flags": flags,

@@ -100,8 +100,11 @@ def _token_payload(choice: dict[str, Any]) -> tuple[str, int]:
     """(text, token count) carried by one streamed choice."""
     text = choice.get("text")
     if text is None:
-        delta = choice.get("delta") or {}
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
         text = delta.get("content") or delta.get("reasoning_content") or ""
+    if not isinstance(text, str):  # a malformed chunk carries no text
+        text = ""
     ids = choice.get("token_ids")
     if isinstance(ids, list) and ids:
         return text, len(ids)
@@ -132,12 +135,16 @@ async def _read_events(response: httpx.Response, record: RequestRecord, start: f
             done = True
             continue
         data = json.loads(event)
+        choices = (data.get("choices") or []) if isinstance(data, dict) else None
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            record.error = f"malformed event (not an object with a list of choice objects): {event[:200]}"
+            return False
         if "error" in data:
             record.error = f"error event: {_error_text(data)}"
             return False
         if isinstance(data.get("usage"), dict):
             record.usage = data["usage"]
-        for choice in data.get("choices") or []:
+        for choice in choices:
             text, n = _token_payload(choice)
             if n:
                 offset = now - start
