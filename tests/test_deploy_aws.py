@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import Registry
 from gemmax.mcp.server import build_server
 from gemmax.rigs.registry import free_port
+from gemmax.weights import builtin
 from mcp_support import error, ok
 
 pytestmark = pytest.mark.timeout(120)
@@ -284,6 +286,12 @@ def test_cli_deploy_list_and_cost(aws):
     assert cost["instance_hours"] == pytest.approx(sum(r["instance_hours"] for r in cost["deployments"]), abs=1e-3)
     missing = runner.invoke(app, ["deploy", "status", "ghost"])
     assert missing.exit_code == 1 and "no remote deployment named 'ghost'" in missing.stderr
+    # a refused option or a model that is not there: one line, no traceback
+    for args, reason in ((["--zone", "us-east-1a", "--image-id", aws.image, "--hours", "0"], "planned_hours"),
+                         (["--target", "local", "--model", "/no/such/model"], "model '/no/such/model' not found")):
+        refused = runner.invoke(app, ["deploy", "launch", "refused", *args])
+        assert refused.exit_code == 1 and refused.stderr.startswith("error: ") and reason in refused.stderr
+        assert "Traceback" not in refused.output
 
 
 async def test_local_target_is_the_local_manager(aws, tmp_path):
@@ -304,6 +312,11 @@ async def test_local_target_is_the_local_manager(aws, tmp_path):
         assert "serve_args, cache_url, aws and ssh are for remote targets" in refused
         stopped = ok(await client.call_tool("stop_deployment", {"name": "here", "timeout_s": 10}))
         assert stopped["name"] == "here" and ok(await client.call_tool("deploy_list", {}))["local"] == []
+        # the default model, "builtin", is the built-in model's converted directory here
+        started = ok(await client.call_tool("deploy_launch", {"target": "local", "name": "own", "port": free_port(),
+                                                               "wait": False}))
+        assert started["local"]["deployment"]["model"] == str(builtin.default_model_path())
+        ok(await client.call_tool("stop_deployment", {"name": "own", "timeout_s": 10}))
 
 
 async def test_missing_credentials_are_a_clear_error(aws, monkeypatch, tmp_path):
@@ -321,3 +334,69 @@ async def test_missing_credentials_are_a_clear_error(aws, monkeypatch, tmp_path)
         assert "NoCredentialsError" in message
         listed = {r["name"]: r for r in ok(await client.call_tool("deploy_list", {}))["remote"]}
     assert listed["nocreds"]["state"] == "failed" and listed["nocreds"]["aws"]["instance_id"] is None
+
+
+def test_an_instance_ended_outside_gemmax_ends_its_record_and_a_relaunch_keeps_its_hours(aws, tmp_path):
+    """A spot interruption (an instance terminated outside gemmax) ends its record when the next launch,
+    a status or a terminate sees it, at EC2's time, freeing its cap slot and stopping its hours; an
+    instance EC2 has forgotten is ended by terminate instead of failing it; a new launch under an ended
+    name keeps the ended record (NAME@CREATED), whose hours still count in cost and the caps."""
+    from gemmax.deploy import cost
+    from gemmax.deploy.registry import archived_key
+    from gemmax.deploy.service import Deployer
+
+    deployer = Deployer(tmp_path)  # a registry of its own: the caps below count this test's records only
+    spec = AwsSpec(**aws_options(aws, endpoint=f"http://127.0.0.1:{free_port()}"))
+    one = cost.Caps(max_instances=1, max_instance_hours=100)
+    first = deployer.launch_aws("gone", spec, model="m", caps=one, wait=False)
+    aws.ec2.terminate_instances(InstanceIds=[first.aws.instance_id])  # as a spot interruption does
+    second = deployer.launch_aws("next", spec, model="m", caps=one, wait=False)  # its slot is free
+    ended = deployer.registry.get("gone")
+    assert ended.state == "terminated" and ended.timeline["ended_outside_reason"].startswith("terminated")
+    assert first.created <= ended.ended <= second.created + 1
+    assert deployer.status("gone").deployment.ended == ended.ended  # ended once, not again at each look
+
+    # EC2 no longer knows the recorded instance: terminate ends the record
+    deployer.registry.update("next", aws=second.aws.model_copy(update={"instance_id": "i-0123456789abcdef0"}))
+    done = deployer.terminate("next").deployment
+    assert done.state == "terminated" and done.timeline["ended_outside_reason"] == "unknown to EC2"
+    aws.ec2.terminate_instances(InstanceIds=[second.aws.instance_id])
+
+    # a relaunch of "gone" after it ran (as recorded) three hours: those hours stay counted
+    deployer.registry.update("gone", created=ended.ended - 3 * 3600)
+    hours = deployer.cost()["instance_hours"]
+    assert hours == pytest.approx(3.0, abs=0.01)
+    again = deployer.launch_aws("gone", spec, model="m", caps=one, wait=False)
+    kept = deployer.registry.get(archived_key(ended.model_copy(update={"created": ended.ended - 3 * 3600})))
+    assert kept.state == "terminated" and kept.hours() == pytest.approx(3.0, abs=0.01)
+    assert deployer.cost()["instance_hours"] >= hours
+    deployer.terminate("gone", push_cache=False)
+    assert again.aws.instance_id != first.aws.instance_id
+    with pytest.raises(DeployError, match=r"([\d.]+) h used by ended deployments"):
+        deployer.launch_aws("gone", spec, model="m", caps=cost.Caps(max_instances=1, max_instance_hours=3.5),
+                            wait=False)
+
+
+def test_user_data_keeps_quotes_percent_and_dollar_signs_intact():
+    """A cache URL or serve argument holding ', % or $ leaves the boot script valid bash, and the unit's
+    Exec lines give systemd's word splitting the original words once it has undone its `%%` and `$$`
+    (a lone % is a systemd specifier, a lone $ a variable: systemd would rewrite or drop the line)."""
+    from gemmax.deploy.userdata import user_data
+
+    url = "s3://bucket/it's g6%2Dcache$HOME.tar.gz"
+    script = user_data(model="builtin", port=8000, package="gemmax", cache_url=url,
+                       serve_args=["--served-model-name", "50%$off"])
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    restore = next(line for line in script.splitlines() if " cache import " in line)
+    echoed = subprocess.run(["bash", "-c", restore.split("|| ", 1)[1]], capture_output=True, text=True, check=True)
+    assert echoed.stdout == f"no compile cache at {url} yet\n"
+    unit = script.split("<<'UNIT'\n", 1)[1].split("\nUNIT\n", 1)[0]
+    execs = dict(line.split("=", 1) for line in unit.splitlines() if line.startswith("Exec"))
+    for value in execs.values():
+        assert not re.search(r"(?<!%)%(?:%%)*(?!%)|(?<!\$)\$(?:\$\$)*(?!\$)", value), value  # every % and $ doubled
+
+    def systemd_words(value: str) -> list[str]:
+        return shlex.split(value.removeprefix("-").replace("%%", "%").replace("$$", "$"))
+
+    assert systemd_words(execs["ExecStopPost"]) == ["/opt/gemmax/bin/gemmax", "cache", "export", url]
+    assert systemd_words(execs["ExecStart"])[-2:] == ["--served-model-name", "50%$off"]

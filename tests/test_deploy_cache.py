@@ -20,7 +20,7 @@ from mcp import Client
 
 from deploy_support import moto_server
 from gemmax.mcp import server as ops
-from gemmax.rigs.registry import wait_healthy
+from gemmax.rigs.registry import free_port, wait_healthy
 from mcp_support import error, ok
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 SERVE = ["--dtype", "float32", "--max-model-len", "64", "--max-batch", "1"]
 URL = "s3://gemmax-cache/tiny/xla.tar.gz"
 
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +147,43 @@ async def test_s3_without_s3fs_is_a_clear_error(s3, no_s3fs, tmp_path, monkeypat
             assert message.endswith(fix)
     result = CliRunner().invoke(app, ["cache", "export", URL])
     assert result.exit_code == 2 and fix in result.output
+
+
+async def test_a_damaged_or_missing_tarball_is_one_clear_line_and_writes_nothing(s3, tmp_path):
+    """`gemmax cache import` of a truncated, non-gzip or missing tarball (a file or an S3 key) and
+    `cache export` of a missing directory end with `error: ...` and status 1, not a traceback, and an
+    import writes no file; the MCP tool answers with the same reason."""
+    from typer.testing import CliRunner
+
+    from gemmax.cli import app
+    from gemmax.engine.compile_cache import export_cache
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "a-cache").write_bytes(os.urandom(50_000))
+    export_cache(str(tmp_path / "good.tar.gz"), source)
+    good = (tmp_path / "good.tar.gz").read_bytes()
+    (tmp_path / "truncated.tar.gz").write_bytes(good[: len(good) // 2])
+    (tmp_path / "plain.txt").write_bytes(b"not a tarball")
+    boto3.client("s3").put_object(Bucket="gemmax-cache", Key="truncated.tar.gz", Body=good[: len(good) // 2])
+    target = tmp_path / "target"
+    runner = CliRunner()
+    for src, reason in ((str(tmp_path / "truncated.tar.gz"), "not a complete compile-cache tarball"),
+                        (str(tmp_path / "plain.txt"), "not a complete compile-cache tarball"),
+                        ("s3://gemmax-cache/truncated.tar.gz", "not a complete compile-cache tarball"),
+                        (str(tmp_path / "missing.tar.gz"), "missing.tar.gz"),
+                        ("s3://gemmax-cache/missing.tar.gz", "missing.tar.gz")):
+        result = runner.invoke(app, ["cache", "import", src, "--cache-dir", str(target)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, (src, result.output)
+        assert result.output.startswith("error: ") and reason in result.output, (src, result.output)
+        assert not [p for p in target.rglob("*") if p.is_file()], src
+    result = runner.invoke(app, ["cache", "export", str(tmp_path / "out.tar.gz"), "--cache-dir", str(tmp_path / "none")])
+    assert result.exit_code == 1 and result.output.startswith("error: no compilation cache at")
+
+    state = Path(os.environ["GEMMAX_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "truncated.tar.gz").write_bytes(good[: len(good) // 2])
+    async with Client(ops.build_server()) as client:
+        message = error(await client.call_tool("compile_cache_import", {"src": "truncated.tar.gz",
+                                                                        "cache_dir": str(state / "restored")}))
+    assert "not a complete compile-cache tarball" in message

@@ -218,3 +218,93 @@ async def test_unknown_host_key_is_refused(ssh_host, tmp_path):
     assert listed["spoofed"]["state"] == "failed" and "running" not in listed["spoofed"]["timeline"]
 
 
+
+
+def test_cache_push_reads_the_launch_cache_a_failed_push_still_stops_and_a_reused_pid_is_spared(ssh_host):
+    """The launch's GEMMAX_COMPILE_CACHE is the one later cache pushes read (not the host's default); a
+    push that fails at terminate is reported and the server is stopped all the same; and a pid the host
+    has given to another process since the server died is never signalled."""
+    from gemmax.deploy.registry import SshHost
+    from gemmax.deploy.service import Deployer
+
+    deployer = Deployer(ssh_host.state)
+    home = ssh_host.home
+    for cache, entry in (("cache", "default-entry"), ("launch-cache", "launch-entry")):
+        (home / cache / "xla").mkdir(parents=True, exist_ok=True)
+        (home / cache / "xla" / entry).write_bytes(b"compiled")
+
+    def launch(name: str, **options):
+        port = free_port()
+        host = SshHost(host="127.0.0.1", port=ssh_host.port, client_key=ssh_host.options["client_key"],
+                       known_hosts=ssh_host.options["known_hosts"], remote_dir=f".gemmax/deployments/{name}",
+                       gemmax=f"{sys.executable} -m gemmax.cli")
+        command = [sys.executable, str(TESTS / "fake_engine.py"), "--tokenizer", str(ssh_host.root / "tok"),
+                   "--port", str(port)]
+        return deployer.launch_ssh(name, host, model="m", port=port, serve_args=[], command=command,
+                                   timeout_s=60, **options)
+
+    tarball = ssh_host.root / "launch-cache.tar.gz"
+    record = launch("own-cache", env={"GEMMAX_COMPILE_CACHE": str(home / "launch-cache")}, cache_url=str(tarball))
+    assert record.state == "ready" and record.ssh.compile_cache == str(home / "launch-cache")
+    assert deployer.push_cache("own-cache")["pushed"] is True
+    with tarfile.open(tarball) as tar:
+        assert [m.name for m in tar.getmembers() if m.isfile()] == ["xla/launch-entry"]
+
+    pid = record.timeline["pid"]
+    deployer.registry.update("own-cache", cache_url="/dev/null/cannot/be/written.tar.gz")
+    done = deployer.terminate("own-cache")
+    assert done.cache_push["pushed"] is False and "/dev/null/cannot" in done.cache_push["error"]
+    assert done.deployment.state == "stopped" and done.deployment.timeline["stop"] == "sigterm"
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    record = launch("reused")
+    server = psutil.Process(record.timeline["pid"])
+    server.kill()
+    server.wait(10)
+    bystander = subprocess.Popen(["setsid", "sleep", "600"], stdin=subprocess.DEVNULL)
+    try:
+        (home / record.ssh.remote_dir / "pid").write_text(f"{bystander.pid}\n")  # as if the host reused the pid
+        done = deployer.terminate("reused", push_cache=False)
+        assert done.deployment.state == "stopped" and done.deployment.timeline["stop"] == "already-dead"
+        assert bystander.poll() is None  # not signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_launch_whose_connection_drops_leaves_the_server_to_terminate(ssh_host, monkeypatch):
+    """The server started, then the SSH connection failed while the boot was waited for (its stop on
+    that connection fails too: `_stop` raising stands in for the dropped connection): the stop is tried
+    again on a new connection; when that fails as well, the record stays live with the error, so a
+    later terminate stops the server instead of leaving it orphaned."""
+    from gemmax.deploy.errors import DeployError
+    from gemmax.deploy.registry import SshHost
+    from gemmax.deploy.service import Deployer
+    from gemmax.deploy.ssh import SshTarget
+
+    deployer = Deployer(ssh_host.state)
+    stop = SshTarget._stop
+    failing = {"left": 2}
+
+    async def dropped(self, conn, host, timeout_s):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise DeployError("ssh 127.0.0.1: connection lost")
+        return await stop(self, conn, host, timeout_s)
+
+    monkeypatch.setattr(SshTarget, "_stop", dropped)
+    host = SshHost(host="127.0.0.1", port=ssh_host.port, client_key=ssh_host.options["client_key"],
+                   known_hosts=ssh_host.options["known_hosts"], remote_dir=".gemmax/deployments/dropped",
+                   gemmax=f"{sys.executable} -m gemmax.cli")
+    with pytest.raises(DeployError):  # never healthy: a server that only sleeps
+        deployer.launch_ssh("dropped", host, model="m", port=free_port(), serve_args=[],
+                            command=["sleep", "600"], timeout_s=2)
+    record = deployer.registry.get("dropped")
+    assert record.active and "terminate stops it" in record.error
+    server = psutil.Process(record.timeline["pid"])
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    done = deployer.terminate("dropped", push_cache=False)
+    assert done.deployment.state == "stopped" and done.deployment.timeline["stop"] == "sigterm"
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert server.status() == psutil.STATUS_ZOMBIE

@@ -30,6 +30,7 @@ from mcp import Client, StdioServerParameters
 import gemmax
 from gemmax.mcp import server as ops
 from gemmax.mcp.server import build_server
+from gemmax.rigs.registry import free_port
 from mcp_support import error, ok
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -40,12 +41,6 @@ TOOLS = {"list_rigs", "start_deployment", "stop_deployment", "list_deployments",
          "deploy_terminate", "deploy_cleanup", "deploy_cost"}
 GEMMAX_OPTIONS = {"dtype": "float32", "max_model_len": 128, "max_batch": 2, "timeout_s": 400}
 KEY = "mcp-test-key"  # the module's gemmax deployment requires it: query_model and run_sweep must send it
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 

@@ -407,6 +407,17 @@ def _check_cache_url(url: str) -> None:
         raise typer.BadParameter(str(exc)) from None
 
 
+@contextlib.contextmanager
+def _one_line_errors(*also: type[Exception]):
+    """An expected failure (a missing file or bucket, a damaged tarball, a refused option) ends the
+    command with `error: ...` on stderr and exit status 1, not a traceback."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError, *also) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 @cache_app.command("export")
 def cache_export(dest: str = typer.Argument(..., help="FILE.tar.gz or URL (s3://... with fsspec)"),
                  cache_dir: str = typer.Option(None, help="default: the user cache dir")) -> None:
@@ -414,7 +425,8 @@ def cache_export(dest: str = typer.Argument(..., help="FILE.tar.gz or URL (s3://
     from gemmax.engine.compile_cache import export_cache
 
     _check_cache_url(dest)
-    typer.echo(f"wrote {export_cache(dest, cache_dir)} bytes to {dest}")
+    with _one_line_errors():
+        typer.echo(f"wrote {export_cache(dest, cache_dir)} bytes to {dest}")
 
 
 @cache_app.command("import")
@@ -424,7 +436,8 @@ def cache_import(src: str = typer.Argument(..., help="FILE.tar.gz or URL made by
     from gemmax.engine.compile_cache import import_cache
 
     _check_cache_url(src)
-    typer.echo(f"restored {import_cache(src, cache_dir)} files from {src}")
+    with _one_line_errors():
+        typer.echo(f"restored {import_cache(src, cache_dir)} files from {src}")
 
 
 app.add_typer(cache_app, name="cache")
@@ -438,15 +451,13 @@ deploy_app = typer.Typer(help="Deployments on a target: local, ssh (a host you h
 def _deploy_run(fn, *args, **kwargs) -> None:
     import asyncio
 
+    from gemmax.mcp.deployments import DeploymentError
     from gemmax.mcp.remote import DeployError
 
-    try:
+    with _one_line_errors(DeployError, DeploymentError):
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = asyncio.run(result)
-    except (DeployError, ValueError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
     from pydantic import TypeAdapter
 
     typer.echo(TypeAdapter(type(result)).dump_json(result, indent=1).decode())
@@ -485,10 +496,11 @@ def deploy_launch(
     if target == "aws":
         if not zone or not image_id:
             raise typer.BadParameter("target aws needs --zone (one or more) and --image-id")
-        aws = remote.AwsOptions(instance_type=instance_type, zones=zone, image_id=image_id, region=region,
-                                market="on-demand" if on_demand else "spot", instance_profile=instance_profile,
-                                security_group_ids=security_group or None, key_name=key_name, planned_hours=hours,
-                                endpoint=endpoint)
+        with _one_line_errors():  # pydantic's refusal (--hours 0, ...) as one line
+            aws = remote.AwsOptions(instance_type=instance_type, zones=zone, image_id=image_id, region=region,
+                                    market="on-demand" if on_demand else "spot", instance_profile=instance_profile,
+                                    security_group_ids=security_group or None, key_name=key_name,
+                                    planned_hours=hours, endpoint=endpoint)
     elif target == "ssh":
         if not host:
             raise typer.BadParameter("target ssh needs --host")

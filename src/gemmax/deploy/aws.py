@@ -18,7 +18,9 @@ instance tagged `gemmax:deployment` that the registry does not know as live is a
 
 from __future__ import annotations
 
+import calendar
 import functools
+import re
 import secrets
 import time
 from typing import Any, Literal
@@ -79,6 +81,14 @@ def aws_errors(fn):
             raise DeployError(f"AWS: {code}: {message}") from None
 
     return wrapped
+
+
+def _transition_time(reason: str) -> float | None:
+    """Epoch seconds from EC2's StateTransitionReason ("User initiated (2026-12-07 21:00:00 GMT)"), or None."""
+    found = re.search(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) GMT\)", reason or "")
+    if not found:
+        return None
+    return calendar.timegm(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
 
 
 def _tags(name: str) -> list[dict[str, str]]:
@@ -155,6 +165,9 @@ class AwsTarget:
             created=time.time(), planned_hours=spec.planned_hours, api_key=api_key, timeline={"requested": 0.0},
             aws=AwsInstance(region=ec2.meta.region_name, instance_type=spec.instance_type, market=spec.market,
                             image_id=spec.image_id))
+        for live in self.registry.records():  # an interrupted instance frees its cap slot first
+            if live.target == "aws" and live.active and live.aws.instance_id:
+                self.reconcile(live)
         self.registry.add(record, guard=lambda records: cost.check_caps(records, spec.planned_hours, caps))
         instance_type, market, zones = spec.instance_type, spec.market, spec.zones
         attempts: list[Attempt] = []
@@ -228,6 +241,8 @@ class AwsTarget:
             try:
                 (reservation,) = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
             except Exception as exc:  # EC2 is eventually consistent: a new id may be unknown for seconds
+                if _error(exc)[0] == "InvalidInstanceID.NotFound" and state == "terminated":
+                    return {}  # EC2 forgets a terminated instance within about an hour
                 if _error(exc)[0] != "InvalidInstanceID.NotFound" or time.monotonic() > deadline:
                     raise
                 time.sleep(2.0)
@@ -293,9 +308,31 @@ class AwsTarget:
                 "command": command}
 
     @aws_errors
+    def reconcile(self, record: RemoteDeployment, instance: dict[str, Any] | None = None) -> RemoteDeployment:
+        """A live record whose instance ended outside gemmax (a spot interruption, the console, EC2
+        having forgotten it) is ended: state terminated, `ended` at EC2's transition time when it
+        gives one (else now), an `ended_outside` event with EC2's reason. Its hours stop there and
+        its cap slot is free. `instance`: from a `describe` just made (else described here)."""
+        if not (record.active and record.aws and record.aws.instance_id):
+            return record
+        if instance is None:
+            instance = self.describe(record)
+        state = instance["State"]["Name"] if instance else "unknown to EC2"
+        if instance and state not in ("shutting-down", "terminated"):
+            return record
+        reason = (instance or {}).get("StateReason", {}).get("Message") or (instance or {}).get("StateTransitionReason")
+        ended = _transition_time((instance or {}).get("StateTransitionReason", "")) or time.time()
+        timeline_ = dict(record.timeline, ended_outside=round(ended - record.created, 3),
+                         ended_outside_reason=f"{state}: {reason}" if reason else state)
+        return self.registry.update(record.name, state="terminated", ended=max(ended, record.created),
+                                    timeline=timeline_)
+
+    @aws_errors
     def terminate(self, name: str, push_cache: bool = True, wait: bool = True, timeout_s: float = 600.0,
                   state: str = "terminated") -> RemoteDeployment:
         record = self.registry.get(name)
+        if record.active and record.aws.instance_id:
+            record = self.reconcile(record)  # gone already: ended when it went, nothing to push
         if not record.active:
             return record
         push = None
@@ -303,7 +340,11 @@ class AwsTarget:
             push = self.push_cache(record, timeout_s)
         if record.aws.instance_id:
             ec2 = self.ec2(record.aws.region)
-            ec2.terminate_instances(InstanceIds=[record.aws.instance_id])
+            try:
+                ec2.terminate_instances(InstanceIds=[record.aws.instance_id])
+            except Exception as exc:
+                if _error(exc)[0] != "InvalidInstanceID.NotFound":  # forgotten since the reconcile: gone
+                    raise
             if wait:
                 try:
                     self._wait_state(ec2, record.aws.instance_id, "terminated", timeout_s)

@@ -4,7 +4,7 @@ Every remote resource is written here before anything else happens to it (an EC2
 recorded the moment `RunInstances` answers, before the boot is waited for), so a crash, a restarted
 MCP server or a second process still sees it and can terminate it. Ended deployments stay (their
 instance-hours count against the guard rails and `cost` reports them); a new launch of the same name
-replaces an ended record.
+moves the ended record to the key NAME@CREATED (`archived_key`), where it still counts.
 Writes go through `records.RecordFile` (a lock, an atomic replace, owner-only: it holds API keys).
 """
 
@@ -46,6 +46,7 @@ class SshHost(BaseModel):
     known_hosts: str | None = Field(None, description="known_hosts file; default ~/.ssh/known_hosts")
     remote_dir: str = Field(description="the deployment's directory on the host: pid file and log")
     gemmax: str = Field(description="the gemmax command on the host")
+    compile_cache: str | None = Field(None, description="the server's GEMMAX_COMPILE_CACHE, for cache push / restore")
 
 
 class AwsInstance(BaseModel):
@@ -87,6 +88,17 @@ class RemoteDeployment(BaseModel):
         return max(end - self.created, 0.0) / 3600.0
 
 
+def check_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise DeployError(f"deployment name {name!r}: start with a letter or digit, then letters, digits, "
+                          "'.', '_' or '-' (at most 63)")
+
+
+def archived_key(record: RemoteDeployment) -> str:
+    """Where an ended record is kept once its name is launched again: NAME@CREATED (epoch seconds)."""
+    return f"{record.name}@{record.created:.0f}"
+
+
 class Registry:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_dir()
@@ -106,15 +118,15 @@ class Registry:
     def add(self, record: RemoteDeployment, guard: Callable[[list[RemoteDeployment]], None] | None = None) -> None:
         """Record a new deployment; `guard` sees every record under the lock first and may refuse (the
         caps are checked here, so two launches at once cannot both pass them)."""
-        if not NAME.fullmatch(record.name):
-            raise DeployError(f"deployment name {record.name!r}: start with a letter or digit, then letters, digits, "
-                              "'.', '_' or '-' (at most 63)")
+        check_name(record.name)
         with self._records.locked() as records:
             if guard is not None:
                 guard(list(records.values()))
             if (name_taken := records.get(record.name)) and name_taken.active:
                 raise DeployError(f"deployment {record.name!r} exists and is {name_taken.state}: "
                                   "terminate it first or pick another name")
+            if name_taken is not None:  # ended: kept under NAME@CREATED, its hours still counted
+                records[archived_key(name_taken)] = name_taken
             records[record.name] = record
 
     def update(self, name: str, **changes: Any) -> RemoteDeployment:

@@ -19,7 +19,7 @@ from gemmax.deploy import cost, timeline
 from gemmax.deploy.aws import AwsSpec, AwsTarget
 from gemmax.deploy.cache import check_url
 from gemmax.deploy.errors import DeployError
-from gemmax.deploy.registry import Registry, RemoteDeployment, SshHost, state_dir
+from gemmax.deploy.registry import Registry, RemoteDeployment, SshHost, check_name, state_dir
 from gemmax.deploy.ssh import SshTarget, connect, tunnel
 
 
@@ -51,6 +51,8 @@ class Deployer:
 
     def launch_ssh(self, name: str, host: SshHost, install: str | None = None, python: str = "python3",
                    venv: str = ".gemmax/venv", **options: Any) -> RemoteDeployment:
+        check_name(name)  # before an install that can take minutes
+
         async def go():
             if install:
                 await self.ssh.install(host, install, python, venv)
@@ -68,6 +70,8 @@ class Deployer:
         if record.target == "aws":
             instance = self.aws.describe(record) if record.aws.instance_id else None
             state = instance["State"]["Name"] if instance else None
+            if record.aws.instance_id:  # ended outside gemmax (a spot interruption): recorded as ended
+                record = self.aws.reconcile(record, instance)
             code = health = None
             if record.active and record.base_url and state == "running":
                 code, health = timeline.run_sync(timeline.probe(record.base_url, record.api_key))
@@ -148,7 +152,10 @@ class Deployer:
             return TerminateResult(deployment=done, cache_push=done.timeline.get("cache_push"))
         push = None
         if push_cache and record.cache_url and record.active:
-            push = self.push_cache(name)
+            try:
+                push = self.push_cache(name)
+            except DeployError as exc:  # reported, as on aws; the server is stopped all the same
+                push = {"pushed": False, "method": "ssh", "error": str(exc)}
         if record.active:
             timeline.run_sync(self.ssh.stop(name, timeout_s))
         return TerminateResult(deployment=self.registry.get(name), cache_push=push)

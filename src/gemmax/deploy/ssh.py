@@ -66,13 +66,29 @@ async def tunnel(conn, port: int) -> AsyncIterator[str]:
         listener.close()
 
 
-# `running $pid`: the process exists and is not a zombie (an exited server whose parent, init in a
-# container that does not reap, never collected it still answers `kill -0`).
-RUNNING = 'running() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ]; }; '
-
-
 def _paths(host: SshHost) -> tuple[str, str]:
     return f"{host.remote_dir}/pid", f"{host.remote_dir}/serve.log"
+
+
+def _started_file(host: SshHost) -> str:
+    return f"{host.remote_dir}/pid.started"  # the server's start time as `ps -o lstart=` printed it
+
+
+def _running(host: SshHost) -> str:
+    """Shell function `running $pid`: the process exists, is not a zombie (an exited server whose
+    parent, init in a container that does not reap, never collected it still answers `kill -0`) and
+    started when the server did (a pid the host has since given to another process is not the
+    server's: it is never signalled). A deployment started before the start time was recorded is
+    checked without it."""
+    started = shlex.quote(_started_file(host))
+    return ('running() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ] && '
+            f'{{ [ ! -f {started} ] || [ "$(ps -o lstart= -p "$1")" = "$(cat {started})" ]; }}; }}; ')
+
+
+def _exports(host: SshHost) -> str:
+    """The launch's compile-cache directory for every later gemmax command on the host (cache push,
+    restore): they must read the directory the server wrote."""
+    return f"export GEMMAX_COMPILE_CACHE={shlex.quote(host.compile_cache)}; " if host.compile_cache else ""
 
 
 class SshTarget:
@@ -101,6 +117,8 @@ class SshTarget:
 
         argv = command or [*shlex.split(host.gemmax), "serve", "--host", "127.0.0.1", "--port", str(port),
                            *model_args(model), *serve_args]
+        if (env or {}).get("GEMMAX_COMPILE_CACHE"):  # kept (the rest of env is not: it may hold secrets)
+            host = host.model_copy(update={"compile_cache": env["GEMMAX_COMPILE_CACHE"]})
         record = RemoteDeployment(name=name, target="ssh", state="launching", model=model, port=port,
                                   created=time.time(), ssh=host, cache_url=cache_url, timeline={"requested": 0.0})
         self.registry.add(record)
@@ -108,7 +126,8 @@ class SshTarget:
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         script = (f"mkdir -p {shlex.quote(host.remote_dir)} && {exports}"
                   f"(setsid nohup {shlex.join(argv)} >> {shlex.quote(log)} 2>&1 < /dev/null & echo $! > {shlex.quote(pid_file)})"
-                  f" && cat {shlex.quote(pid_file)}")
+                  f" && ps -o lstart= -p $(cat {shlex.quote(pid_file)}) > {shlex.quote(_started_file(host))}"
+                  f"; cat {shlex.quote(pid_file)}")
         try:
             async with connect(host) as conn:
                 if cache_url:
@@ -131,7 +150,16 @@ class SshTarget:
                         raise DeployError(f"deployment {name!r} on {host.host} failed: {exc}; it was stopped. "
                                           f"Log ends with:\n{tail}") from None
         except DeployError as exc:
-            if self.registry.get(name).active:
+            current = self.registry.get(name)
+            if current.active and "running" in current.timeline:  # the server was started: stop it anew
+                try:
+                    async with connect(host) as conn:
+                        await self._stop(conn, host, 10.0)
+                except DeployError as stop_failed:  # still live: `terminate` retries the stop
+                    self.registry.update(name, error=f"{exc}; stopping it failed too ({stop_failed}): the server "
+                                                     "may still run, terminate stops it")
+                    raise exc from None
+            if current.active:
                 self.registry.update(name, state="failed", ended=time.time(), error=str(exc))
             raise
         return self.registry.update(name, state="ready")
@@ -140,7 +168,7 @@ class SshTarget:
         pid_file, _ = _paths(host)
         steps = max(int(timeout_s / 0.2), 1)
         script = (f"pid=$(cat {shlex.quote(pid_file)} 2>/dev/null) || {{ echo none; exit 0; }}; "
-                  f"{RUNNING}running $pid || {{ echo already-dead; exit 0; }}; kill -TERM -$pid 2>/dev/null || kill -TERM $pid; "
+                  f"{_running(host)}running $pid || {{ echo already-dead; exit 0; }}; kill -TERM -$pid 2>/dev/null || kill -TERM $pid; "
                   f"for i in $(seq {steps}); do running $pid || {{ echo sigterm; exit 0; }}; sleep 0.2; done; "
                   f"kill -KILL -$pid 2>/dev/null || kill -KILL $pid; echo sigkill")
         return (await run(conn, script))[1].strip()
@@ -155,7 +183,7 @@ class SshTarget:
 
     async def alive(self, conn, record: RemoteDeployment) -> bool:
         pid_file, _ = _paths(record.ssh)
-        status, _, _ = await run(conn, f"{RUNNING}running $(cat {shlex.quote(pid_file)})", check=False)
+        status, _, _ = await run(conn, f"{_running(record.ssh)}running $(cat {shlex.quote(pid_file)})", check=False)
         return status == 0
 
     async def status(self, record: RemoteDeployment) -> dict[str, Any]:
@@ -180,4 +208,4 @@ class SshTarget:
 
     async def run_gemmax(self, record: RemoteDeployment, args: list[str]) -> str:
         async with connect(record.ssh) as conn:
-            return (await run(conn, shlex.join([*shlex.split(record.ssh.gemmax), *args])))[1]
+            return (await run(conn, _exports(record.ssh) + shlex.join([*shlex.split(record.ssh.gemmax), *args])))[1]

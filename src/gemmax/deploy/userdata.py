@@ -22,14 +22,21 @@ def model_args(model: str) -> list[str]:
     return [] if model == BUILTIN else ["--model", model]
 
 
+def unit_command(argv: list[str]) -> str:
+    """argv as a systemd Exec line: shell-quoted (systemd splits quoted words as a shell does), then
+    `%` and `$` doubled (systemd expands specifiers and environment variables even inside quotes: a
+    URL holding %2D or $ would reach the command changed, or the line be dropped)."""
+    return shlex.join(argv).replace("%", "%%").replace("$", "$$")
+
+
 def user_data(*, model: str, port: int, package: str, cache_url: str | None, serve_args: list[str],
               api_key_env: str | None = None) -> str:
     """The script, as text (boto3 base64-encodes it)."""
     gemmax = f"{VENV}/bin/gemmax"
-    serve = shlex.join([gemmax, "serve", "--host", "0.0.0.0", "--port", str(port), *model_args(model), *serve_args])
-    restore = (f"{gemmax} cache import {shlex.quote(cache_url)} || echo 'no compile cache at {cache_url} yet'"
+    serve = unit_command([gemmax, "serve", "--host", "0.0.0.0", "--port", str(port), *model_args(model), *serve_args])
+    restore = (f"{gemmax} cache import {shlex.quote(cache_url)} || echo {shlex.quote(f'no compile cache at {cache_url} yet')}"
                if cache_url else "echo 'no compile cache URL: compiling at start'")
-    push = f"ExecStopPost=-{gemmax} cache export {shlex.quote(cache_url)}" if cache_url else ""
+    push = f"ExecStopPost=-{unit_command([gemmax, 'cache', 'export', cache_url])}" if cache_url else ""
     key_line = f"Environment=GEMMAX_API_KEY={api_key_env}" if api_key_env else ""
     return f"""#!/bin/bash
 # gemmax deployment (gemmax.deploy.userdata): install, restore the compile cache, serve under systemd.

@@ -12,10 +12,12 @@ directory as a tarball, to a local path or any URL fsspec understands (s3://, gs
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import logging
 import os
 import tarfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,17 +128,23 @@ def import_cache(src: str, directory: str | Path | None = None) -> int:
     with _open(src, "rb") as f:
         data = f.read()
     count = 0
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            if not member.isfile() or not member.name.startswith("xla/") or ".." in Path(member.name).parts:
-                continue
-            out = target / Path(member.name).relative_to("xla")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if not out.parent.resolve().is_relative_to(target):  # a symlinked folder inside the cache
-                raise ValueError(f"{member.name} would be written outside {target}")
-            out.unlink(missing_ok=True)  # never write through a symlink left at that name
-            out.write_bytes(tar.extractfile(member).read())
-            count += 1
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            # every header first: that reads the whole stream, so a truncated or damaged archive
+            # is refused before any file is written
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and m.name.startswith("xla/") and ".." not in Path(m.name).parts]
+            for member in members:
+                out = target / Path(member.name).relative_to("xla")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                if not out.parent.resolve().is_relative_to(target):  # a symlinked folder inside the cache
+                    raise ValueError(f"{member.name} would be written outside {target}")
+                out.unlink(missing_ok=True)  # never write through a symlink left at that name
+                out.write_bytes(tar.extractfile(member).read())
+                count += 1
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ValueError(f"{src} is not a complete compile-cache tarball (`gemmax cache export` writes one): "
+                         f"{type(exc).__name__}: {exc}") from None
     return count
 
 

@@ -21,8 +21,10 @@ from gemmax.deploy.cache import check_url
 from gemmax.deploy.errors import DeployError
 from gemmax.deploy.registry import RemoteDeployment, SshHost, state_dir
 from gemmax.deploy.service import Deployer, RemoteStatus, TerminateResult
+from gemmax.deploy.userdata import BUILTIN
 from gemmax.mcp.deployments import DeploymentStatus
 from gemmax.mcp.local import deployments
+from gemmax.weights import builtin
 
 __all__ = ["DEPLOY_TOOLS", "DeployError", "check_url"]
 
@@ -93,6 +95,8 @@ def deploy_launch(target: Literal["local", "ssh", "aws"], name: str, model: str 
         if serve_args or cache_url or aws or ssh:
             raise DeployError("target local takes model, port, wait and timeout_s only (start_deployment has the "
                               "local options); serve_args, cache_url, aws and ssh are for remote targets")
+        if model == BUILTIN:  # its converted directory here (converted on first use), as `serve` loads it
+            model = str(builtin.default_model_path())
         status = deployments().start("gemmax", model, port, name=name, wait=wait, timeout_s=timeout_s)
         return LaunchResult(target="local", local=status)
     if cache_url:
