@@ -258,3 +258,16 @@ async def test_a_server_gone_between_cells_keeps_the_measured_cells(bpe):
     assert [c["input_len"] for c in result["cells"]] == [41] and result["cells"][0]["completed"] == 1
     assert result["aborted"].startswith("the sweep stopped after 1 of 2 cells: HTTPStatusError")
     assert result["server"]["health_after"] is not None  # the end of the run is still recorded
+
+
+async def test_a_stream_delivered_in_one_event_is_flagged():
+    """A server (or a proxy) that buffers the whole answer into one event: its TPOT is 0 and the wire
+    shows no decode rate, which the cell says instead of printing a blank."""
+    result = await sweep(FakeServer(Script(ttft=0.005, itl=0.002, tokens_per_chunk=6)), input_lens=(8,),
+                         output_len=6, repeats=2)
+    (cell,) = result["cells"]
+    assert cell["stream"] is None and cell["decode_tok_s"] is None
+    assert "2 of 2 requests delivered all their tokens in one event" in "; ".join(cell["flags"])
+    chunked = await sweep(FakeServer(Script(ttft=0.005, itl=0.002, tokens_per_chunk=2)), input_lens=(8,),
+                          output_len=6, repeats=1)
+    assert not any("one event" in flag for flag in chunked["cells"][0]["flags"])

@@ -373,6 +373,10 @@ def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, ra
     if resolution is not None and resolution["flagged"]:
         flags.append(f"gauge tick {resolution['tick']:g} is {resolution['resolution']:.2%} of its value, "
                      f"coarser than the run-to-run spread {resolution['spread']:.2%}")
+    buffered = [r for r in measured if r.success and r.output_tokens > 1 and len(r.token_times) == 1]
+    if buffered:  # TPOT is 0 for them: the wire shows no decode rate
+        flags.append(f"{len(buffered)} of {len(measured)} requests delivered all their tokens in one event (a "
+                     "buffering server or proxy): the wire gives them no decode rate")
     failed = [r for r in measured if not r.success]
     if failed:
         flags.append(f"{len(failed)} of {len(measured)} requests failed: {failed[0].error[:200]}")
