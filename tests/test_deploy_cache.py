@@ -179,6 +179,10 @@ async def test_a_damaged_or_missing_tarball_is_one_clear_line_and_writes_nothing
         assert not [p for p in target.rglob("*") if p.is_file()], src
     result = runner.invoke(app, ["cache", "export", str(tmp_path / "out.tar.gz"), "--cache-dir", str(tmp_path / "none")])
     assert result.exit_code == 1 and result.output.startswith("error: no compilation cache at")
+    buckets = sorted(b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"])
+    result = runner.invoke(app, ["cache", "export", "s3://no-such-bucket/c.tar.gz", "--cache-dir", str(source)])
+    assert result.exit_code == 1 and result.output.startswith("error: ") and "Traceback" not in result.output
+    assert sorted(b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]) == buckets  # none created
 
     state = Path(os.environ["GEMMAX_STATE_DIR"])
     state.mkdir(parents=True, exist_ok=True)

@@ -154,7 +154,8 @@ def _open(url: str, mode: str):
             import fsspec
         except ImportError as exc:  # pragma: no cover - fsspec is a dependency
             raise RuntimeError("URLs need fsspec installed") from exc
-        return fsspec.open(url, mode).open()
+        # auto_mkdir off: fsspec would otherwise create a missing S3 bucket (a typo'd name) on write
+        return fsspec.open(url, mode, auto_mkdir=False).open()
     path = Path(url.removeprefix("file://"))
     if "w" in mode:
         path.parent.mkdir(parents=True, exist_ok=True)
