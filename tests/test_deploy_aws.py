@@ -174,6 +174,8 @@ def test_no_capacity_in_any_zone_is_reported_per_zone(aws):
     record = registry.get("t4-none")
     assert record.state == "failed" and [a.zone for a in record.aws.attempts] == ZONES[:2]
     assert record.aws.instance_id is None and tagged(aws, "t4-none") == []
+    with pytest.raises(DeployError, match="'t4-none' has no instance"):
+        AwsTarget(registry, ec2_client=ec2).console(record, 10)
 
 
 async def test_guard_rails_refuse_with_the_arithmetic(aws):
@@ -355,6 +357,9 @@ def test_an_instance_ended_outside_gemmax_ends_its_record_and_a_relaunch_keeps_i
     assert ended.state == "terminated" and ended.timeline["ended_outside_reason"].startswith("terminated")
     assert first.created <= ended.ended <= second.created + 1
     assert deployer.status("gone").deployment.ended == ended.ended  # ended once, not again at each look
+    # a launch still waiting when another process ended it cannot mark it ready again
+    assert deployer.registry.update("gone", state="ready", ended=None).state == "terminated"
+    assert deployer.registry.get("gone").ended == ended.ended
 
     # EC2 no longer knows the recorded instance: terminate ends the record
     deployer.registry.update("next", aws=second.aws.model_copy(update={"instance_id": "i-0123456789abcdef0"}))

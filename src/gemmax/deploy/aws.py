@@ -275,6 +275,9 @@ class AwsTarget:
     @aws_errors
     def console(self, record: RemoteDeployment, tail: int) -> list[str]:
         """The last TAIL lines of the instance's console output (user data, then the service)."""
+        if not record.aws.instance_id:
+            raise DeployError(f"deployment {record.name!r} has no instance (no zone launched one: its attempts "
+                              "are in its record), so no console output")
         output = self.ec2(record.aws.region).get_console_output(InstanceId=record.aws.instance_id,
                                                                 Latest=True).get("Output") or ""
         return output.splitlines()[-tail:]
@@ -308,31 +311,32 @@ class AwsTarget:
                 "command": command}
 
     @aws_errors
-    def reconcile(self, record: RemoteDeployment, instance: dict[str, Any] | None = None) -> RemoteDeployment:
+    def reconcile(self, record: RemoteDeployment, instance: dict[str, Any] | None = None,
+                  state: str = "terminated") -> RemoteDeployment:
         """A live record whose instance ended outside gemmax (a spot interruption, the console, EC2
         having forgotten it) is ended: state terminated, `ended` at EC2's transition time when it
         gives one (else now), an `ended_outside` event with EC2's reason. Its hours stop there and
-        its cap slot is free. `instance`: from a `describe` just made (else described here)."""
+        its cap slot is free. `instance`: from a `describe` just made (else described here); `state`:
+        the ended state to record (a failed launch's is "failed")."""
         if not (record.active and record.aws and record.aws.instance_id):
             return record
         if instance is None:
             instance = self.describe(record)
-        state = instance["State"]["Name"] if instance else "unknown to EC2"
-        if instance and state not in ("shutting-down", "terminated"):
+        seen = instance["State"]["Name"] if instance else "unknown to EC2"
+        if instance and seen not in ("shutting-down", "terminated"):
             return record
         reason = (instance or {}).get("StateReason", {}).get("Message") or (instance or {}).get("StateTransitionReason")
         ended = _transition_time((instance or {}).get("StateTransitionReason", "")) or time.time()
         timeline_ = dict(record.timeline, ended_outside=round(ended - record.created, 3),
-                         ended_outside_reason=f"{state}: {reason}" if reason else state)
-        return self.registry.update(record.name, state="terminated", ended=max(ended, record.created),
-                                    timeline=timeline_)
+                         ended_outside_reason=f"{seen}: {reason}" if reason else seen)
+        return self.registry.update(record.name, state=state, ended=max(ended, record.created), timeline=timeline_)
 
     @aws_errors
     def terminate(self, name: str, push_cache: bool = True, wait: bool = True, timeout_s: float = 600.0,
                   state: str = "terminated") -> RemoteDeployment:
         record = self.registry.get(name)
         if record.active and record.aws.instance_id:
-            record = self.reconcile(record)  # gone already: ended when it went, nothing to push
+            record = self.reconcile(record, state=state)  # gone already: ended when it went, nothing to push
         if not record.active:
             return record
         push = None

@@ -130,9 +130,14 @@ class Registry:
             records[record.name] = record
 
     def update(self, name: str, **changes: Any) -> RemoteDeployment:
+        """Change a record. An ended record stays ended: its `state` and `ended` are not changed again
+        (a launch still waiting for its boot when another process terminated it must not mark it
+        ready, nor move its end)."""
         with self._records.locked() as records:
             if name not in records:
                 raise DeployError(f"no remote deployment named {name!r}")
+            if not records[name].active:
+                changes = {key: value for key, value in changes.items() if key not in ("state", "ended")}
             record = records[name].model_copy(update=changes)
             records[name] = record
         return record
