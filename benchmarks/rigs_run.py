@@ -209,6 +209,9 @@ def sweep_levels(url: str, name: str, args: argparse.Namespace, input_lens: tupl
             before, after = server["degenerate_responses_before"], server["degenerate_responses_after"]
             server["degenerate_responses_delta"] = None if before is None or after is None else after - before
         print(f"[{name}] {sampling_name(sampling)} c={concurrency} done", file=sys.stderr)
+        if part["aborted"]:  # the server stopped answering: what was measured is kept, the rest not tried
+            result["aborted"] = part["aborted"]
+            break
     result["config"] = {**result["config"], "concurrency": sorted(set(args.concurrency))}
     return result
 

@@ -361,8 +361,12 @@ def test_an_instance_ended_outside_gemmax_ends_its_record_and_a_relaunch_keeps_i
     assert deployer.registry.update("gone", state="ready", ended=None).state == "terminated"
     assert deployer.registry.get("gone").ended == ended.ended
 
-    # EC2 no longer knows the recorded instance: terminate ends the record
-    deployer.registry.update("next", aws=second.aws.model_copy(update={"instance_id": "i-0123456789abcdef0"}))
+    # an id EC2 does not know yet (for seconds after RunInstances) is not taken for a gone instance
+    forged = second.aws.model_copy(update={"instance_id": "i-0123456789abcdef0"})
+    deployer.registry.update("next", aws=forged, timeline={"requested": 0.0})
+    assert deployer.status("next").deployment.state == "booting"
+    # EC2 no longer knows an instance it had running: terminate ends the record
+    deployer.registry.update("next", timeline=second.timeline)
     done = deployer.terminate("next").deployment
     assert done.state == "terminated" and done.timeline["ended_outside_reason"] == "unknown to EC2"
     aws.ec2.terminate_instances(InstanceIds=[second.aws.instance_id])
@@ -390,7 +394,7 @@ def test_user_data_keeps_quotes_percent_and_dollar_signs_intact():
 
     url = "s3://bucket/it's g6%2Dcache$HOME.tar.gz"
     script = user_data(model="builtin", port=8000, package="gemmax", cache_url=url,
-                       serve_args=["--served-model-name", "50%$off"])
+                       serve_args=["--served-model-name", "50%$off\\b"])
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     restore = next(line for line in script.splitlines() if " cache import " in line)
     echoed = subprocess.run(["bash", "-c", restore.split("|| ", 1)[1]], capture_output=True, text=True, check=True)
@@ -400,8 +404,27 @@ def test_user_data_keeps_quotes_percent_and_dollar_signs_intact():
     for value in execs.values():
         assert not re.search(r"(?<!%)%(?:%%)*(?!%)|(?<!\$)\$(?:\$\$)*(?!\$)", value), value  # every % and $ doubled
 
-    def systemd_words(value: str) -> list[str]:
-        return shlex.split(value.removeprefix("-").replace("%%", "%").replace("$$", "$"))
+    def systemd_words(value: str) -> list[str]:  # systemd: specifiers, variables, then C escapes in quotes
+        value = value.removeprefix("-").replace("%%", "%").replace("$$", "$")
+        return [word.replace("\\\\", "\\") for word in shlex.split(value)]
 
     assert systemd_words(execs["ExecStopPost"]) == ["/opt/gemmax/bin/gemmax", "cache", "export", url]
-    assert systemd_words(execs["ExecStart"])[-2:] == ["--served-model-name", "50%$off"]
+    assert systemd_words(execs["ExecStart"])[-2:] == ["--served-model-name", "50%$off\\b"]
+
+
+def test_ec2_transition_times_are_read_as_utc(monkeypatch):
+    """EC2's StateTransitionReason carries the time an instance ended in GMT (moto writes UTC): read
+    as UTC whatever the local time zone."""
+    import time as time_module
+
+    from gemmax.deploy.aws import _transition_time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time_module.tzset()
+    try:
+        for zone in ("GMT", "UTC"):
+            assert _transition_time(f"User initiated (2026-12-07 21:00:00 {zone})") == 1796677200
+        assert _transition_time("Server.SpotInstanceTermination") is None and _transition_time("") is None
+    finally:
+        monkeypatch.undo()
+        time_module.tzset()

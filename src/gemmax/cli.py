@@ -413,7 +413,7 @@ def _one_line_errors(*also: type[Exception]):
     command with `error: ...` on stderr and exit status 1, not a traceback."""
     try:
         yield
-    except (OSError, ValueError, RuntimeError, *also) as exc:
+    except (OSError, ValueError, *also) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 
@@ -425,7 +425,7 @@ def cache_export(dest: str = typer.Argument(..., help="FILE.tar.gz or URL (s3://
     from gemmax.engine.compile_cache import export_cache
 
     _check_cache_url(dest)
-    with _one_line_errors():
+    with _one_line_errors(RuntimeError):  # RuntimeError: a URL without fsspec
         typer.echo(f"wrote {export_cache(dest, cache_dir)} bytes to {dest}")
 
 
@@ -436,7 +436,7 @@ def cache_import(src: str = typer.Argument(..., help="FILE.tar.gz or URL made by
     from gemmax.engine.compile_cache import import_cache
 
     _check_cache_url(src)
-    with _one_line_errors():
+    with _one_line_errors(RuntimeError):
         typer.echo(f"restored {import_cache(src, cache_dir)} files from {src}")
 
 

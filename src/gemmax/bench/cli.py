@@ -62,7 +62,7 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gemmax.bench.report import print_run, summary_line, write_json
-    from gemmax.bench.sweep import SweepAborted, SweepConfig, parse_sampling, run_sweep
+    from gemmax.bench.sweep import SweepConfig, parse_sampling, run_sweep
 
     try:
         config = SweepConfig(
@@ -83,11 +83,8 @@ def bench(
             status = "ok" if record.success else "FAILED"
             progress.update(task, advance=1, description=f"input {record.input_len}: {status}")
 
-        aborted = None
         try:
-            result = run_sweep(config, on_request)
-        except SweepAborted as exc:  # the cells measured before it are kept, printed and written
-            result, aborted = exc.result, exc
+            result = run_sweep(config, on_request)  # a sweep that stopped halfway keeps its measured cells
         except (RuntimeError, ValueError, httpx.HTTPError) as exc:
             console.print(f"[red]bench failed:[/red] {exc}")
             raise typer.Exit(1) from exc
@@ -100,8 +97,8 @@ def bench(
 
         console.print(f"wrote {plot_runs([result], plot)}")
     typer.echo(summary_line(result))
-    if aborted is not None:
-        console.print(f"[red]bench aborted:[/red] {aborted}")
+    if result["aborted"]:
+        console.print(f"[red]bench aborted:[/red] {result['aborted']}")
         raise typer.Exit(1)
 
 

@@ -146,15 +146,6 @@ async def degenerate_count(client: httpx.AsyncClient) -> float | None:
         return None
 
 
-class SweepAborted(RuntimeError):
-    """The server stopped answering between requests (a connection refused while building prompts):
-    `result` holds the cells measured before, with `aborted` saying where it stopped."""
-
-    def __init__(self, message: str, result: dict[str, Any]):
-        super().__init__(message)
-        self.result = result
-
-
 class Sweep:
     def __init__(self, config: SweepConfig, on_request: Callable[[RequestRecord], None] | None = None):
         self.config = config
@@ -260,7 +251,8 @@ class Sweep:
                 for input_len in cfg.input_lens:
                     for concurrency, rate in cfg.load_levels():
                         cells.append(await self._cell(client, input_len, concurrency, rate, source))
-            except httpx.HTTPError as exc:  # a request's own failure is recorded; this is the server gone
+            except (httpx.HTTPError, ValueError) as exc:  # a request's own failure is recorded; this is the
+                # server gone, or a prompt it cannot count (/tokenize answering something else)
                 planned = len(cfg.input_lens) * len(cfg.load_levels())
                 aborted = f"the sweep stopped after {len(cells)} of {planned} cells: {type(exc).__name__}: {exc}"
             health_after = await _get_json(client, "/health")
@@ -291,10 +283,8 @@ class Sweep:
             },
             "probe": probe.to_json(),
             "cells": cells,
-            "aborted": aborted,
+            "aborted": aborted,  # None, or where the sweep stopped: `cells` holds what it measured before
         }
-        if aborted is not None:
-            raise SweepAborted(aborted, result)
         return result
 
     async def _cell(self, client: httpx.AsyncClient, input_len: int, concurrency: int | None,
@@ -330,7 +320,7 @@ def summarize_cell(cfg: SweepConfig, input_len: int, concurrency: int | None, ra
 
     def figures(records: list[RequestRecord]) -> dict[str, float | None]:
         ok = [r for r in records if r.success]
-        tpot = _median_of([r.tpot for r in ok if r.tpot])
+        tpot = _median_of([r.tpot for r in ok if r.tpot is not None])  # as median_tpot_ms counts them
         return {"stream": 1.0 / tpot if tpot else None,
                 "gauge": _median_of([r.gauge for r in ok if r.gauge is not None]),
                 "ratio": _median_of([r.gauge / r.decode_tok_s for r in ok if r.gauge is not None and r.decode_tok_s]),

@@ -19,9 +19,11 @@ instance tagged `gemmax:deployment` that the registry does not know as live is a
 from __future__ import annotations
 
 import calendar
+import contextlib
 import functools
 import re
 import secrets
+import shlex
 import time
 from typing import Any, Literal
 
@@ -84,8 +86,9 @@ def aws_errors(fn):
 
 
 def _transition_time(reason: str) -> float | None:
-    """Epoch seconds from EC2's StateTransitionReason ("User initiated (2026-12-07 21:00:00 GMT)"), or None."""
-    found = re.search(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) GMT\)", reason or "")
+    """Epoch seconds from EC2's StateTransitionReason ("User initiated (2026-12-07 21:00:00 GMT)"; moto
+    writes UTC), or None."""
+    found = re.search(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:GMT|UTC)\)", reason or "")
     if not found:
         return None
     return calendar.timegm(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
@@ -167,7 +170,8 @@ class AwsTarget:
                             image_id=spec.image_id))
         for live in self.registry.records():  # an interrupted instance frees its cap slot first
             if live.target == "aws" and live.active and live.aws.instance_id:
-                self.reconcile(live)
+                with contextlib.suppress(DeployError):  # not seen now (throttled, another region's rights): counted
+                    self.reconcile(live)
         self.registry.add(record, guard=lambda records: cost.check_caps(records, spec.planned_hours, caps))
         instance_type, market, zones = spec.instance_type, spec.market, spec.zones
         attempts: list[Attempt] = []
@@ -288,7 +292,7 @@ class AwsTarget:
         if not record.cache_url:
             raise DeployError(f"deployment {record.name!r} has no cache URL")
         ssm = self.ssm(record.aws.region)
-        command = f"GEMMAX_COMPILE_CACHE={CACHE_DIR} {VENV}/bin/gemmax cache export {record.cache_url}"
+        command = f"GEMMAX_COMPILE_CACHE={CACHE_DIR} {VENV}/bin/gemmax cache export {shlex.quote(record.cache_url)}"
         try:
             sent = ssm.send_command(InstanceIds=[record.aws.instance_id], DocumentName="AWS-RunShellScript",
                                     Comment=f"gemmax: push the compile cache of {record.name}",
@@ -322,6 +326,8 @@ class AwsTarget:
             return record
         if instance is None:
             instance = self.describe(record)
+        if instance is None and "running" not in record.timeline:
+            return record  # EC2 answers NotFound for a new id for a few seconds: only a seen instance is gone
         seen = instance["State"]["Name"] if instance else "unknown to EC2"
         if instance and seen not in ("shutting-down", "terminated"):
             return record
@@ -329,7 +335,9 @@ class AwsTarget:
         ended = _transition_time((instance or {}).get("StateTransitionReason", "")) or time.time()
         timeline_ = dict(record.timeline, ended_outside=round(ended - record.created, 3),
                          ended_outside_reason=f"{seen}: {reason}" if reason else seen)
-        return self.registry.update(record.name, state=state, ended=max(ended, record.created), timeline=timeline_)
+        # only if NAME still holds this launch (another process may have terminated and relaunched it)
+        return self.registry.update(record.name, if_created=record.created, state=state,
+                                    ended=max(ended, record.created), timeline=timeline_)
 
     @aws_errors
     def terminate(self, name: str, push_cache: bool = True, wait: bool = True, timeout_s: float = 600.0,

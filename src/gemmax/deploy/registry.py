@@ -126,16 +126,23 @@ class Registry:
                 raise DeployError(f"deployment {record.name!r} exists and is {name_taken.state}: "
                                   "terminate it first or pick another name")
             if name_taken is not None:  # ended: kept under NAME@CREATED, its hours still counted
-                records[archived_key(name_taken)] = name_taken
+                key, n = archived_key(name_taken), 1
+                while key in records:  # two ended launches within a second
+                    n += 1
+                    key = f"{archived_key(name_taken)}-{n}"
+                records[key] = name_taken
             records[record.name] = record
 
-    def update(self, name: str, **changes: Any) -> RemoteDeployment:
+    def update(self, name: str, if_created: float | None = None, **changes: Any) -> RemoteDeployment:
         """Change a record. An ended record stays ended: its `state` and `ended` are not changed again
         (a launch still waiting for its boot when another process terminated it must not mark it
-        ready, nor move its end)."""
+        ready, nor move its end). `if_created`: change it only if NAME still holds the launch of that
+        time (else the record NAME holds now is returned unchanged)."""
         with self._records.locked() as records:
             if name not in records:
                 raise DeployError(f"no remote deployment named {name!r}")
+            if if_created is not None and records[name].created != if_created:
+                return records[name]
             if not records[name].active:
                 changes = {key: value for key, value in changes.items() if key not in ("state", "ended")}
             record = records[name].model_copy(update=changes)

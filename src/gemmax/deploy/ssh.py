@@ -71,18 +71,24 @@ def _paths(host: SshHost) -> tuple[str, str]:
 
 
 def _started_file(host: SshHost) -> str:
-    return f"{host.remote_dir}/pid.started"  # the server's start time as `ps -o lstart=` printed it
+    return f"{host.remote_dir}/pid.started"  # the server's start time, `started_at` below
+
+
+# `started_at $pid`: the process's start time in clock ticks after boot (field 22 of /proc/PID/stat;
+# the fields after the command name, which may hold spaces, start at field 3). Unlike `ps -o lstart`
+# it does not move when the wall clock is stepped (NTP, a VM resumed). Empty where there is no /proc.
+STARTED_AT = 'started_at() { [ -r "/proc/$1/stat" ] && sed "s/^.*) //" "/proc/$1/stat" | cut -d" " -f20; }; '
 
 
 def _running(host: SshHost) -> str:
     """Shell function `running $pid`: the process exists, is not a zombie (an exited server whose
     parent, init in a container that does not reap, never collected it still answers `kill -0`) and
     started when the server did (a pid the host has since given to another process is not the
-    server's: it is never signalled). A deployment started before the start time was recorded is
-    checked without it."""
+    server's: it is never signalled). Without a recorded start time (no /proc on the host, or a
+    deployment started before it was recorded) the pid alone decides."""
     started = shlex.quote(_started_file(host))
-    return ('running() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ] && '
-            f'{{ [ ! -f {started} ] || [ "$(ps -o lstart= -p "$1")" = "$(cat {started})" ]; }}; }}; ')
+    return (STARTED_AT + 'running() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" | cut -c1)" != Z ] && '
+            f'{{ [ ! -s {started} ] || [ "$(started_at "$1")" = "$(cat {started})" ]; }}; }}; ')
 
 
 def _exports(host: SshHost) -> str:
@@ -126,8 +132,8 @@ class SshTarget:
         exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         script = (f"mkdir -p {shlex.quote(host.remote_dir)} && {exports}"
                   f"(setsid nohup {shlex.join(argv)} >> {shlex.quote(log)} 2>&1 < /dev/null & echo $! > {shlex.quote(pid_file)})"
-                  f" && ps -o lstart= -p $(cat {shlex.quote(pid_file)}) > {shlex.quote(_started_file(host))}"
-                  f"; cat {shlex.quote(pid_file)}")
+                  f" && {{ {STARTED_AT}started_at $(cat {shlex.quote(pid_file)}) > {shlex.quote(_started_file(host))}; true; }}"
+                  f" && cat {shlex.quote(pid_file)}")
         try:
             async with connect(host) as conn:
                 if cache_url:

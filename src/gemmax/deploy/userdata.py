@@ -23,10 +23,11 @@ def model_args(model: str) -> list[str]:
 
 
 def unit_command(argv: list[str]) -> str:
-    """argv as a systemd Exec line: shell-quoted (systemd splits quoted words as a shell does), then
-    `%` and `$` doubled (systemd expands specifiers and environment variables even inside quotes: a
-    URL holding %2D or $ would reach the command changed, or the line be dropped)."""
-    return shlex.join(argv).replace("%", "%%").replace("$", "$$")
+    """argv as a systemd Exec line: shell-quoted (systemd splits single-quoted words as a shell does,
+    but C-unescapes backslashes even inside quotes: doubled here), then `%` and `$` doubled (systemd
+    expands specifiers and environment variables even inside quotes: a URL holding %2D or $ would
+    reach the command changed, or the line be dropped)."""
+    return shlex.join(argv).replace("\\", "\\\\").replace("%", "%%").replace("$", "$$")
 
 
 def user_data(*, model: str, port: int, package: str, cache_url: str | None, serve_args: list[str],

@@ -153,7 +153,8 @@ async def deploy_benchmark(name: str, input_lens: list[int] | None = None, outpu
         name, label=label, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     return BenchmarkResult(path=str(path), label=result["label"], model=result["model"],
                            cells=json.loads(summary_line(result))["cells"],
-                           flags=[flag for cell in result["cells"] for flag in cell["flags"]])
+                           flags=[flag for cell in result["cells"] for flag in cell["flags"]]
+                           + ([f"aborted: {result['aborted']}"] if result["aborted"] else []))
 
 
 def deploy_cache_push(name: str) -> CacheResult:

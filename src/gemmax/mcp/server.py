@@ -356,7 +356,8 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
     return SweepSummary(path=str(path), label=result["label"], model=result["model"],
                         decode_source=result["decode_source"], prompt_mode=result["prompt_mode"],
                         forced_output=result["forced_output"], cells=json.loads(summary_line(result))["cells"],
-                        flags=[flag for cell in result["cells"] for flag in cell["flags"]],
+                        flags=[flag for cell in result["cells"] for flag in cell["flags"]]
+                        + ([f"aborted: {result['aborted']}"] if result["aborted"] else []),
                         precision=server["precision_after"],
                         degenerate_responses_delta=server["degenerate_responses_delta"])
 
