@@ -204,7 +204,13 @@ def _attention(
         k = rotate(rms_norm(k_raw, layer["k_norm"], config.rms_norm_eps), *batch.rope(batch.new_pos, inv_freq))
         if config.use_v_norm:
             v = rms_norm(v, None, config.rms_norm_eps)
-        own = Keys(k, v, batch.new_pos, batch.new_valid)
+        # A chunk's queries see its own K/V as the cache holds them (bf16 bits, int8), as a decode
+        # step's query sees its own token's, read back after the write: every path attends to the
+        # same values, so a prompt's chunking, a verify step and one-token steps draw alike. With the
+        # values unrounded, a bf16 cache flipped a tiny random model's greedy token (logit 0.46 ->
+        # 0.22) between a speculative verify and plain decode (tests/test_model_parity.py).
+        own = Keys(cache_entry.as_read(k), cache_entry.as_read(v), batch.new_pos, batch.new_valid) if Tq > 1 \
+            else Keys(k, v, batch.new_pos, batch.new_valid)
         ring = bool(spec.sliding_window)
         if Tq == 1:
             # Decode: write the new position first, then attend over the cache. Attending over the

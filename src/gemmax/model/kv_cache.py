@@ -100,6 +100,16 @@ class LayerCache:
             values = lax.bitcast_convert_type(values, jnp.dtype(self.dtype))
         return values.astype(dtype)
 
+    def as_read(self, x: jax.Array) -> jax.Array:
+        """New K or V `x` [B, T, nkv, hd] as `read` would return it once written (rounded to a
+        16-bit cache's dtype, or quantised and dequantised for an int8 one), in x's dtype."""
+        if self.k_scale is not None:
+            q, scale = _quantize_int8(x)
+            return (q.astype(jnp.float32) * scale[..., None]).astype(x.dtype)
+        if _stored_as_bits(self.dtype):
+            return x.astype(self.dtype).astype(x.dtype)
+        return x
+
     def visible(self, kv_len: int | None) -> LayerCache:
         """The first kv_len slots when kv_len is below the slot count. Every position the cache holds
         is < kv_len, so later slots hold nothing yet; on a sliding ring with kv_len <= its slots no
