@@ -171,8 +171,14 @@ def test_fit_cli_works_from_a_config_alone(tmp_path):
                                   "--max-batch", "64", "--device-memory-gib", "16", "--kv-dtype", "bfloat16"])
     assert refused.exit_code == 1
     assert "DOES NOT FIT" in refused.output and "largest max_model_len at max_batch=64" in refused.output
-    missing = runner.invoke(app, ["fit", "--model", str(tmp_path / "nowhere"), "--device-memory-gib", "16"])
-    assert missing.exit_code != 0
+    # what cannot be used is a usage error (status 2, one line), never status 1, which means "does not fit"
+    for args, reason in ((["--model", str(tmp_path / "nowhere")], "nowhere"),
+                         (["--model", str(tmp_path), "--dtype", "foo"], "foo"),
+                         (["--model", str(tmp_path), "--draft-model", str(tmp_path / "no-draft")], "no-draft")):
+        refused = runner.invoke(app, ["fit", *args, "--device-memory-gib", "16"])
+        assert refused.exit_code == 2 and reason in refused.output, (args, refused.output)
+    refused = runner.invoke(app, ["policy", "--dtype", "foo"])
+    assert refused.exit_code == 2 and "foo" in refused.output
 
 
 def test_decode_traffic_counts_what_a_step_reads(e2b):

@@ -240,6 +240,10 @@ def test_generate_cli_applies_the_options(hf_checkpoints):
     assert printed["token_ids"] == want
     refused = runner.invoke(app, args + ["--quant", "w4a16", "--w4a16-kernel", "pallas"])
     assert refused.exit_code == 2 and "interpret mode" in refused.output and "--allow-pallas-interpret" in refused.output
+    vocab = ck.config.vocab_size
+    for ids, reason in ((f"2,{vocab}", "outside the vocabulary"), ("2,-5", "outside the vocabulary"), (",", "no id")):
+        refused = runner.invoke(app, ["generate", "--model", directory, "--prompt-ids", ids, "--max-tokens", "2"])
+        assert refused.exit_code == 2 and reason in refused.output, (ids, refused.output)
 
 
 def test_pallas_interpret_runs_the_model_when_allowed(hf_checkpoints):

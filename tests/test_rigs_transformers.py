@@ -171,6 +171,22 @@ def test_bad_requests_get_openai_errors(client, rig):
                                   extra_body={"structured_outputs": {"regex": "a+"}})
     with pytest.raises(openai.BadRequestError, match="stream"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"stream": "yes"})
+    # refused as the gemmax server refuses them, not answered wrongly (500, a stream with no chunk)
+    for fields, reason in (({"max_tokens": 0}, "max_tokens must be at least 1"),
+                           ({"max_tokens": 2, "temperature": -1}, "temperature must be at least 0"),
+                           ({"max_tokens": 2, "top_p": 0}, r"top_p must lie in \(0, 1\]"),
+                           ({"max_tokens": 2, "top_p": 2}, r"top_p must lie in \(0, 1\]"),
+                           ({"max_tokens": 2, "logprobs": 0}, "logprobs is not supported"),
+                           ({"max_tokens": 2, "echo": True}, "echo is not supported")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match=reason):
+                client.completions.create(model="tiny", prompt=PROMPT, stream=stream, **fields)
+    for tokens in ([-1], [500]):
+        response = httpx.post(rig[1] + "/detokenize", json={"tokens": tokens})
+        assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]
+    ids = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                    extra_body={"min_tokens": 3, "return_token_ids": True}).choices[0]
+    assert len(ids.model_extra["token_ids"]) == 3
 
 
 def test_health_models_and_precision(checkpoint, rig):

@@ -22,11 +22,28 @@ def _setup_logging(verbose: bool = False) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids: comma-separated ids, at least one, each in the vocabulary."""
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError as exc:
         raise typer.BadParameter(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
+    if not ids:
+        raise typer.BadParameter("--prompt-ids holds no id")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise typer.BadParameter(f"--prompt-ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+@contextlib.contextmanager
+def _usage_errors():
+    """A value the command cannot use (an unknown dtype, a model path that is not there) is a usage
+    error (exit status 2, one line), not a traceback: `fit` keeps status 1 for "does not fit"."""
+    try:
+        yield
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 # Load-time quantisation (docs/quantization.md): one option set shared by generate, serve, fit and
@@ -114,7 +131,7 @@ def generate(
             raise typer.BadParameter("this checkpoint has no tokenizer: use --prompt-ids")
         ids = loaded.tokenizer.encode(prompt)
     else:
-        ids = _parse_ids(prompt_ids)
+        ids = _parse_ids(prompt_ids, loaded.checkpoint.config.vocab_size)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     params = loaded.checkpoint.params
     with contextlib.ExitStack() as stack:
@@ -195,7 +212,8 @@ def policy(dtype: str = typer.Option("auto"), json_output: bool = typer.Option(F
     """Print the device policy (platform, device, compute capability, dtypes)."""
     from gemmax.engine.policy import device_policy
 
-    p = device_policy(dtype)
+    with _usage_errors():
+        p = device_policy(dtype)
     typer.echo(json.dumps(p.as_dict()) if json_output else p.log_line())
     if p.warning:
         typer.echo(f"WARNING: {p.warning}", err=True)
@@ -237,7 +255,8 @@ def fit(
 
     if kv_dtype != "auto" and kv_dtype not in DTYPES:
         raise typer.BadParameter(f"--kv-dtype must be auto or one of {sorted(DTYPES)}")
-    p = device_policy(dtype)
+    with _usage_errors():
+        p = device_policy(dtype)
     memory = int(device_memory_gib * GiB) if device_memory_gib is not None else p.device_memory_bytes
     if memory is None:
         raise typer.BadParameter("this device reports no memory size: give --device-memory-gib")
@@ -247,7 +266,8 @@ def fit(
     from gemmax.quant.plan import format_weight_bytes, quantized_weight_bytes, weight_bytes_table
     from gemmax.weights.load import open_source
 
-    source = open_source(model, weights=False)
+    with _usage_errors():
+        source = open_source(model, weights=False)
     config = source.config
     asked, quant = quant, quant_for(source, dtype, quant)
     kernel = "cpu" if p.platform == "cpu" else "xla"  # a CPU load keeps int8 matrices' GEMM copies too
@@ -264,7 +284,8 @@ def fit(
             draft = {"draft_weights": assistant_weight_bytes(assistant, p.weight_dtype)}
             mtp_slack = 1
         else:
-            draft_source = open_source(draft_model, weights=False)
+            with _usage_errors():
+                draft_source = open_source(draft_model, weights=False)
             draft_quant = quant_for(draft_source, dtype, asked)
             draft = {"draft_config": draft_source.config,
                      "draft_weights": quantized_weight_bytes(draft_source.config, draft_quant, p.weight_dtype, kernel)}

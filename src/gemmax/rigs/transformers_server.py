@@ -194,7 +194,9 @@ UNSUPPORTED = {"top_k": (None, 0, -1), "min_p": (None, 0.0), "presence_penalty":
                "stop_token_ids": (None, []), "logit_bias": (None, {}),
                # constrained output and forced tool calls (the gemmax server's grammars)
                "response_format": (None, {"type": "text"}), "structured_outputs": (None, {}),
-               "tool_choice": (None, "none", "auto")}
+               "tool_choice": (None, "none", "auto"),
+               # token log-probabilities and the prompt echoed back
+               "top_logprobs": (None, 0), "echo": (None, False)}
 
 
 class APIError(Exception):
@@ -245,8 +247,17 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         for name, defaults in UNSUPPORTED.items():
             if getattr(req, name, None) not in defaults:
                 raise APIError(f"{name} is not supported by the transformers rig", name)
+        logprobs = getattr(req, "logprobs", None)  # completions: an int (0 asks for the chosen token's); chat: a bool
+        if logprobs is not None and logprobs is not False:
+            raise APIError("logprobs is not supported by the transformers rig", "logprobs")
+        if req.temperature is not None and req.temperature < 0:
+            raise APIError(f"temperature must be at least 0, got {req.temperature}", "temperature")
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            raise APIError(f"top_p must lie in (0, 1], got {req.top_p}", "top_p")
         room = gen.max_model_len - n_prompt
         max_tokens = max_tokens if max_tokens is not None else room
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         if max_tokens > room or room < 1:
             raise APIError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                            f"({gen.max_model_len})", "max_tokens")
@@ -269,12 +280,16 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     async def respond(ids: list[int], args: SamplingArgs, stream: bool, include_usage: bool,
                       chunk: Callable[[str, list[int], str | None], dict], whole: Callable[[str, str], dict],
-                      header: dict | None):
+                      header: dict | None, return_token_ids: bool):
+        """The answer, streamed (every chunk carries its `token_ids`) or whole (with `token_ids` when
+        asked, as vLLM's `return_token_ids`)."""
         t_arrival = time.perf_counter()
         if not stream:
             events = [e async for e in gen.stream(ids, args)]
             out = [e.token_id for e in events]
             body = whole(gen.decode_delta(out, ""), events[-1].finish_reason)
+            if return_token_ids:
+                body["choices"][0]["token_ids"] = out
             body["usage"] = usage(len(ids), events, t_arrival)
             return JSONResponse(body)
 
@@ -317,7 +332,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(ids, args, req.stream, include, chunk, whole, None)
+        return await respond(ids, args, req.stream, include, chunk, whole, None, req.return_token_ids)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
@@ -342,7 +357,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         header = chunk("", [], None)
         header["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(ids, args, req.stream, include, chunk, whole, header)
+        return await respond(ids, args, req.stream, include, chunk, whole, header, req.return_token_ids)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -356,6 +371,9 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
+        bad = [i for i in req.tokens if not 0 <= i < gen.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {gen.vocab_size})", "tokens")
         if gen.tokenizer is None:
             raise APIError("this model has no tokenizer", "tokens")
         return {"prompt": gen.tokenizer.decode(req.tokens)}
