@@ -245,3 +245,18 @@ def test_text_prompts_chat_and_exact_counts_with_a_tokenizer(checkpoint, tmp_pat
         result = asyncio.run(Sweep(config).run())
         assert result["prompt_mode"] == "server"
         assert [c["input_len_verified"] for c in result["cells"]] == [True, True]
+
+
+def test_a_partial_utf8_sequence_is_held_until_the_last_token_releases_it():
+    """Streamed text holds back a partial UTF-8 sequence (it decodes to U+FFFD) while more tokens may
+    complete it; the answer's last token releases it, so the streamed text is the whole answer's."""
+    from types import SimpleNamespace
+
+    from gemmax.rigs.transformers_server import HFGenerator
+
+    texts = {1: "caf", 2: "caf\ufffd"}  # ids -> decoded text: the second token opens a byte sequence
+    gen = object.__new__(HFGenerator)
+    gen.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: texts[len(ids)])
+    assert gen.decode_delta([7], "") == "caf"
+    assert gen.decode_delta([7, 8], "caf") == ""  # held: a later token may complete it
+    assert gen.decode_delta([7, 8], "caf", final=True) == "\ufffd"  # the end: as the whole answer shows it

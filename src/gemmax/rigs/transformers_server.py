@@ -176,12 +176,13 @@ class HFGenerator:
         finally:
             cancel.set()
 
-    def decode_delta(self, ids: list[int], emitted: str) -> str:
-        """New text after `emitted` for generated `ids` (held back while a UTF-8 sequence is partial)."""
+    def decode_delta(self, ids: list[int], emitted: str, final: bool = False) -> str:
+        """New text after `emitted` for generated `ids` (held back while a UTF-8 sequence is partial,
+        unless `final`: the answer's last token releases whatever is held, as the whole answer shows it)."""
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and not final:
             return ""
         return text[len(emitted):]
 
@@ -301,7 +302,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
             try:
                 async for event in gen.stream(ids, args):
                     events.append(event)
-                    delta = gen.decode_delta([e.token_id for e in events], emitted)
+                    delta = gen.decode_delta([e.token_id for e in events], emitted, final=event.finish_reason is not None)
                     emitted += delta
                     yield f"data: {json.dumps(chunk(delta, [event.token_id], event.finish_reason))}\n\n"
             except Exception as exc:  # mid-stream failure: tell the client in-band
