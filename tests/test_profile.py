@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,12 @@ def test_compare_prints_both_runs_side_by_side(two_runs, tmp_path):
     # rich boxes and wraps the error at the terminal's width (COLUMNS=80 in CI): read it as one line
     said = " ".join(re.sub("[\u2500-\u257f]", " ", bad.output).split())
     assert bad.exit_code != 0 and "not a gemmax profile report" in said
+    damaged = json.loads(Path(b).read_text())
+    del damaged["categories"]  # its schema right, a field the table reads gone
+    (tmp_path / "damaged.json").write_text(json.dumps(damaged))
+    bad = CliRunner().invoke(app, ["profile", "--compare", a, str(tmp_path / "damaged.json")])
+    said = " ".join(re.sub("[\u2500-\u257f]", " ", bad.output).split())
+    assert bad.exit_code == 2 and "a report lacks what the comparison reads" in said, bad.output
 
 
 @pytest.fixture(scope="module")

@@ -694,6 +694,9 @@ def profile(
             typer.echo(reports.table(loaded, titles=list(compare)))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
+        except (KeyError, TypeError) as exc:  # a damaged report: its schema right, a field missing
+            raise typer.BadParameter(f"a report lacks what the comparison reads ({type(exc).__name__}: {exc}): "
+                                     "was it edited, or cut short?") from exc
         return
     _setup_logging()
     if layout not in ("auto", "plain"):
