@@ -181,6 +181,11 @@ def test_bad_requests_get_openai_errors(client, rig):
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError, match=reason):
                 client.completions.create(model="tiny", prompt=PROMPT, stream=stream, **fields)
+    with pytest.raises(openai.NotFoundError, match="the model `other` does not exist"):
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
+    response = httpx.post(rig[1] + "/v1/completions", content=b'{"prompt": [5, 6], "max_tokens": 2,,}',
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "the request body is not valid JSON"
     for tokens in ([-1], [500]):
         response = httpx.post(rig[1] + "/detokenize", json={"tokens": tokens})
         assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]

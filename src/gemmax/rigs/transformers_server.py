@@ -219,13 +219,21 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        if exc.status == 404:  # the gemmax server's answer to a model it does not serve
+            return JSONResponse(error_body(exc.message, "not_found_error", "model_not_found", exc.param), status_code=404)
         return JSONResponse(_error_body(exc.message, exc.param), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return JSONResponse(_error_body("the request body is not valid JSON"), status_code=400)
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return JSONResponse(_error_body(f"{param}: {first.get('msg', 'invalid request')}", param), status_code=400)
+
+    def check_model(model: str | None) -> None:
+        if model and model != served_name:
+            raise APIError(f"the model `{model}` does not exist: this server serves `{served_name}`", "model", 404)
 
     def prompt_ids(prompts: list[str | list[int]]) -> list[int]:
         if len(prompts) != 1:
@@ -319,6 +327,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        check_model(req.model)
         ids = prompt_ids(req.prompt)
         args = sampling(req, req.max_tokens if req.max_tokens is not None else 16, len(ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -337,6 +346,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
+        check_model(req.model)
         if gen.tokenizer is None or not getattr(gen.tokenizer, "chat_template", None):
             raise APIError("this model has no chat template: use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
