@@ -1223,3 +1223,11 @@ def test_the_wait_queue_is_bounded(engine, monkeypatch):
         handle.cancel()
         handle.wait()
     assert engine.submit(GenerationRequest((7, 3), 2)).wait().finish_reason in ("length", "stop")
+
+
+def test_a_context_beyond_the_models_positions_is_refused_at_start(loaded):
+    """max_model_len past max_position_embeddings is refused with the numbers before anything is
+    allocated (as `gemmax fit` refuses to plan it), not served with positions the model never saw."""
+    positions = loaded.checkpoint.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len {positions + 1:,} exceeds the {positions:,} positions"):
+        BatchEngine(loaded, max_model_len=positions + 1, max_batch=1)

@@ -269,6 +269,9 @@ def fit(
     with _usage_errors():
         source = open_source(model, weights=False)
     config = source.config
+    if max_model_len > config.max_position_embeddings:  # as `serve` refuses it
+        raise typer.BadParameter(f"--max-model-len {max_model_len:,} exceeds the {config.max_position_embeddings:,} "
+                                 "positions the model was made for (max_position_embeddings in its config)")
     asked, quant = quant, quant_for(source, dtype, quant)
     kernel = "cpu" if p.platform == "cpu" else "xla"  # a CPU load keeps int8 matrices' GEMM copies too
     kv = "int8" if quant.kv_cache == "int8" else p.kv_cache if kv_dtype == "auto" else kv_dtype

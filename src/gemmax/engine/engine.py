@@ -244,6 +244,9 @@ class BatchEngine:
         self.ring_slack = max(self.spec_ks, default=0) + (assistant is not None)
         self.loaded = loaded
         self.config: ModelConfig = loaded.checkpoint.config
+        if max_model_len > self.config.max_position_embeddings:  # refused before anything is allocated
+            raise ValueError(f"max_model_len {max_model_len:,} exceeds the {self.config.max_position_embeddings:,} "
+                             "positions the model was made for (max_position_embeddings in its config)")
         policy = loaded.policy
         self.precision: Precision = policy.precision()
         self._max_model_len = max_model_len
