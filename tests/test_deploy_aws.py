@@ -376,8 +376,10 @@ def test_an_instance_ended_outside_gemmax_ends_its_record_and_a_relaunch_keeps_i
     hours = deployer.cost()["instance_hours"]
     assert hours == pytest.approx(3.0, abs=0.01)
     again = deployer.launch_aws("gone", spec, model="m", caps=one, wait=False)
-    kept = deployer.registry.get(archived_key(ended.model_copy(update={"created": ended.ended - 3 * 3600})))
-    assert kept.state == "terminated" and kept.hours() == pytest.approx(3.0, abs=0.01)
+    key = archived_key(ended.model_copy(update={"created": ended.ended - 3 * 3600}))
+    kept = deployer.registry.get(key)
+    assert kept.state == "terminated" and kept.hours() == pytest.approx(3.0, abs=0.01) and kept.archived_as == key
+    assert deployer.status(key).deployment.archived_as == key  # listed with its key, and looked up by it
     assert deployer.cost()["instance_hours"] >= hours
     deployer.terminate("gone", push_cache=False)
     assert again.aws.instance_id != first.aws.instance_id

@@ -74,6 +74,7 @@ class RemoteDeployment(BaseModel):
     planned_hours: float = Field(1.0, description="instance-hours this deployment was allowed at launch")
     timeline: dict[str, Any] = Field(default_factory=dict, description="boot events: seconds after `requested`, and compile-cache hits / misses")
     error: str | None = None
+    archived_as: str | None = Field(None, description="the registry key an ended record moved to when its name was launched again")
     ssh: SshHost | None = None
     aws: AwsInstance | None = None
     api_key: str | None = Field(None, exclude=True, repr=False, description="the server's API key: kept on disk, never returned")
@@ -130,7 +131,7 @@ class Registry:
                 while key in records:  # two ended launches within a second
                     n += 1
                     key = f"{archived_key(name_taken)}-{n}"
-                records[key] = name_taken
+                records[key] = name_taken.model_copy(update={"archived_as": key})
             records[record.name] = record
 
     def update(self, name: str, if_created: float | None = None, **changes: Any) -> RemoteDeployment:
