@@ -350,19 +350,27 @@ class Deployments:
             how = "sigterm"
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGTERM)
-            gone, alive = _wait_exited(family, timeout_s)
+            if child is not None:
+                # Started here: its Popen reaps it and keeps the status. (Waited through psutil, the
+                # status was lost whenever anything else reaped it first, a concurrent status's poll
+                # among them: stop returned exit_code None, a CI failure three times.)
+                try:
+                    child.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    how = "sigkill"
+                    child.kill()
+                    child.wait(10.0)
+                exit_code = child.returncode
+                family = family[1:]  # its children, if any, below
+            gone, alive = _wait_exited(family, timeout_s if child is None else 1.0)
             if alive:
                 how = "sigkill"
                 for p in alive:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.kill()
                 gone += _wait_exited(alive, 10.0)[0]
-            exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
-            if exit_code is None and child is not None:
-                # a concurrent status of this server (`_process`) polled the Popen and reaped it first,
-                # so psutil read no status: the Popen kept it (read, not polled: a poll after psutil
-                # reaped it would read 0)
-                exit_code = child.returncode
+            if child is None:
+                exit_code = next((getattr(p, "returncode", None) for p in gone if p.pid == record.pid), None)
         with self._lock:
             self._children.pop(record.pid, None)
             self._keys.pop(name, None)
