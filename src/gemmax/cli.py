@@ -30,9 +30,10 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
         raise typer.BadParameter(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
     if not ids:
         raise typer.BadParameter("--prompt-ids holds no id")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise typer.BadParameter(f"--prompt-ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    from gemmax.engine.api import check_token_ids
+
+    with _usage_errors():
+        check_token_ids("--prompt-ids", ids, vocab_size)
     return ids
 
 

@@ -92,6 +92,12 @@ def print_run(result: dict[str, Any], console: Console | None = None) -> None:
         console.print("note: the server refused ignore_eos/min_tokens; output lengths are as generated")
 
 
+def run_flags(result: dict[str, Any]) -> list[str]:
+    """Every cell's flags, and where the sweep stopped if it did."""
+    aborted = [f"aborted: {result['aborted']}"] if result.get("aborted") else []
+    return [flag for cell in result["cells"] for flag in cell["flags"]] + aborted
+
+
 def summary_line(result: dict[str, Any]) -> str:
     """One JSON line: the headline figures of every cell (and `aborted`, for a sweep that stopped)."""
     return json.dumps({

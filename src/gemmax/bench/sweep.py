@@ -257,7 +257,7 @@ class Sweep:
                 aborted = f"the sweep stopped after {len(cells)} of {planned} cells: {type(exc).__name__}: {exc}"
             health_after = await _get_json(client, "/health")
             degenerate_after = await degenerate_count(client)
-        result = {
+        return {
             "schema": SCHEMA,
             "label": cfg.label or f"{self.model}@{cfg.uds or httpx.URL(cfg.base_url).netloc.decode()}",
             "base_url": cfg.base_url,
@@ -285,7 +285,6 @@ class Sweep:
             "cells": cells,
             "aborted": aborted,  # None, or where the sweep stopped: `cells` holds what it measured before
         }
-        return result
 
     async def _cell(self, client: httpx.AsyncClient, input_len: int, concurrency: int | None,
                     rate: float | None, source: str) -> dict[str, Any]:

@@ -146,15 +146,14 @@ async def deploy_benchmark(name: str, input_lens: list[int] | None = None, outpu
     the headline figures. An aws deployment's result carries its price per hour."""
     import json
 
-    from gemmax.bench.report import summary_line
+    from gemmax.bench.report import run_flags, summary_line
 
     given = {"input_lens": input_lens, "output_len": output_len, "repeats": repeats, "concurrency": concurrency}
     path, result = await deployer().benchmark(
         name, label=label, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None})
     return BenchmarkResult(path=str(path), label=result["label"], model=result["model"],
                            cells=json.loads(summary_line(result))["cells"],
-                           flags=[flag for cell in result["cells"] for flag in cell["flags"]]
-                           + ([f"aborted: {result['aborted']}"] if result["aborted"] else []))
+                           flags=run_flags(result))
 
 
 def deploy_cache_push(name: str) -> CacheResult:

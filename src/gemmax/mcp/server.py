@@ -337,7 +337,7 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
     concurrency 1). Writes the full result JSON to OUT (default: under the state directory) and
     returns its path with the headline figures. The label defaults to the deployment name. api_key: the
     deployment's key (default: the one it was started with by this server)."""
-    from gemmax.bench.report import summary_line, write_json
+    from gemmax.bench.report import run_flags, summary_line, write_json
     from gemmax.bench.sweep import Sweep, SweepConfig
 
     if out:
@@ -356,8 +356,7 @@ async def run_sweep(deployment: str, input_lens: list[int] | None = None, output
     return SweepSummary(path=str(path), label=result["label"], model=result["model"],
                         decode_source=result["decode_source"], prompt_mode=result["prompt_mode"],
                         forced_output=result["forced_output"], cells=json.loads(summary_line(result))["cells"],
-                        flags=[flag for cell in result["cells"] for flag in cell["flags"]]
-                        + ([f"aborted: {result['aborted']}"] if result["aborted"] else []),
+                        flags=run_flags(result),
                         precision=server["precision_after"],
                         degenerate_responses_delta=server["degenerate_responses_delta"])
 

@@ -209,8 +209,8 @@ def _attention(
         # same values, so a prompt's chunking, a verify step and one-token steps draw alike. With the
         # values unrounded, a bf16 cache flipped a tiny random model's greedy token (logit 0.46 ->
         # 0.22) between a speculative verify and plain decode (tests/test_model_parity.py).
-        own = Keys(cache_entry.as_read(k), cache_entry.as_read(v), batch.new_pos, batch.new_valid) if Tq > 1 \
-            else Keys(k, v, batch.new_pos, batch.new_valid)
+        # (A decode step attends to the cache after its write, so its `own` is unused and compiled away.)
+        own = Keys(cache_entry.as_read(k), cache_entry.as_read(v), batch.new_pos, batch.new_valid)
         ring = bool(spec.sliding_window)
         if Tq == 1:
             # Decode: write the new position first, then attend over the cache. Attending over the
@@ -221,7 +221,7 @@ def _attention(
             keys = new_entry
         elif batch.rows is not None:
             # A chunk written into its cache rows in place attends, as the plain chunk below does, to
-            # its rows' past (the slots below its start) and to its own keys as computed. A full
+            # its rows' past (the slots below its start) and to its own keys (`own`). A full
             # layer writes first (slots start and above) and reads the past from the written cache.
             # A ring can overwrite slots its own earlier queries still see: its rows are read out
             # first, as a buffer of their own, and the write takes its row indices from that read,

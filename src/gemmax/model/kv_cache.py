@@ -61,6 +61,11 @@ def _quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
+def _dequantize_int8(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of `_quantize_int8`: q [..., d] * scale [...] in `dtype`."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
 def cache_slots(spec: LayerSpec, max_len: int, ring_slack: int = 0) -> int:
     """Slots a layer keeps per row: its ring (window + ring_slack) on sliding layers, max_len on full ones."""
     return min(spec.sliding_window + ring_slack, max_len) if spec.sliding_window else max_len
@@ -95,7 +100,7 @@ class LayerCache:
         values = getattr(self, name)
         scale = getattr(self, f"{name}_scale")
         if scale is not None:
-            return (values.astype(jnp.float32) * scale[..., None]).astype(dtype)
+            return _dequantize_int8(values, scale, dtype)
         if _stored_as_bits(self.dtype):
             values = lax.bitcast_convert_type(values, jnp.dtype(self.dtype))
         return values.astype(dtype)
@@ -104,8 +109,7 @@ class LayerCache:
         """New K or V `x` [B, T, nkv, hd] as `read` would return it once written (rounded to a
         16-bit cache's dtype, or quantised and dequantised for an int8 one), in x's dtype."""
         if self.k_scale is not None:
-            q, scale = _quantize_int8(x)
-            return (q.astype(jnp.float32) * scale[..., None]).astype(x.dtype)
+            return _dequantize_int8(*_quantize_int8(x), x.dtype)
         if _stored_as_bits(self.dtype):
             return x.astype(self.dtype).astype(x.dtype)
         return x

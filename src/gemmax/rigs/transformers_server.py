@@ -235,6 +235,11 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
         if model and model != served_name:
             raise APIError(f"the model `{model}` does not exist: this server serves `{served_name}`", "model", 404)
 
+    def check_ids(ids: list[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= i < gen.vocab_size]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {gen.vocab_size})", param)
+
     def prompt_ids(prompts: list[str | list[int]]) -> list[int]:
         if len(prompts) != 1:
             raise APIError("this server takes one prompt per request", "prompt")
@@ -245,9 +250,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
             return gen.tokenizer(prompt).input_ids
         if not prompt:
             raise APIError("the prompt is empty", "prompt")
-        bad = [i for i in prompt if not 0 <= i < gen.vocab_size]
-        if bad:
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {gen.vocab_size})", "prompt")
+        check_ids(prompt, "prompt")
         return list(prompt)
 
     def sampling(req: SamplingFields, max_tokens: int | None, n_prompt: int) -> SamplingArgs:
@@ -382,9 +385,7 @@ def create_app(gen: HFGenerator, served_name: str) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        bad = [i for i in req.tokens if not 0 <= i < gen.vocab_size]
-        if bad:
-            raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {gen.vocab_size})", "tokens")
+        check_ids(req.tokens, "tokens")
         if gen.tokenizer is None:
             raise APIError("this model has no tokenizer", "tokens")
         return {"prompt": gen.tokenizer.decode(req.tokens)}
